@@ -8,6 +8,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "SamplingParams": ("stemma.sampling_params", "SamplingParams"),
+    "Engine": ("stemma.runtime.engine", "Engine"),
+    "EngineConfig": ("stemma.runtime.engine_config", "EngineConfig"),
+    "RequestOutput": ("stemma.runtime.outputs", "RequestOutput"),
 }
 
 

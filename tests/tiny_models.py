@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
               initializer_range=0.35, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 

@@ -1,0 +1,107 @@
+"""Incremental detokenization with UTF-8 holdback and stop-string trimming.
+
+Used by the in-process engine and by the gateway, so both produce the same text.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Text is decoded from `prefix_offset`, a few tokens back, so tokenizers that drop a leading
+    space when decoding from the middle still produce the right delta. A delta that ends in an
+    incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(context[-4:])  # a little prompt context for the first delta
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+
+class StopTextTracker:
+    """Accumulates text, finds stop strings across token boundaries, and says how much is safe to
+    stream: a tail that could still grow into a stop string is held back."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.text = ""
+        self.streamed = 0
+        self.stopped: str | None = None
+
+    def add(self, delta: str) -> str:
+        """Adds a delta; returns the newly streamable text. After a stop matches, text is trimmed."""
+        if self.stopped is not None:
+            return ""
+        start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
+        self.text += delta
+        hit = self._find(start)
+        if hit is not None:
+            self.text = self.text[:hit[0]]
+            self.stopped = hit[1]
+            return self.flush()
+        safe = len(self.text) - self._partial_tail()
+        out, self.streamed = self.text[self.streamed:safe], max(self.streamed, safe)
+        return out
+
+    def flush(self) -> str:
+        out, self.streamed = self.text[self.streamed:], len(self.text)
+        return out
+
+    def _find(self, start: int) -> tuple[int, str] | None:
+        best = None
+        for stop in self.stops:
+            i = self.text.find(stop, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        return best
+
+    def _partial_tail(self) -> int:
+        """Length of the longest suffix of text that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+class TextStream:
+    """Token ids in, streamable text out: incremental detokenization plus stop-string trimming."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), skip_special_tokens: bool = True,
+                 context: Sequence[int] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context)
+        self.stops = StopTextTracker(stops)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        return self.stops.add(self.detok.push(token_ids))
+
+    def finish(self) -> str:
+        """Whatever was held back, once no more tokens will come."""
+        return self.stops.flush()
+
+    @property
+    def stopped(self) -> str | None:
+        return self.stops.stopped
+
+    @property
+    def text(self) -> str:
+        return self.stops.text

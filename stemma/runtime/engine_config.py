@@ -1,0 +1,61 @@
+"""EngineConfig: every engine option, in one frozen dataclass validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "sjf")
+BATCHING = ("continuous", "dynamic", "static")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None              # None: the default Gemma 3 270M GGUF
+    dtype: str = "auto"                   # auto: bf16 on CUDA and on CPUs with native bf16
+    device: str = "auto"                  # auto: cuda when available, else cpu
+    kv_pool_tokens: int = 65536
+    max_running_requests: int = 128
+    max_context: int | None = None        # None: the model's context length
+    chunked_prefill_size: int | None = 2048  # None or <= 0: no chunking
+    max_prefill_tokens: int = 8192        # prefill tokens admitted in one step
+    schedule_policy: str = "lpm"
+    batching: str = "continuous"
+    dynamic_wait_ms: float = 20.0         # dynamic batching: how long a batch waits to fill
+    enable_radix_cache: bool = True
+    attention_backend: str = "auto"
+    kv_reserve_ratio: float = 0.3         # share of running decodes' remaining tokens kept free
+    lpm_fallback_queue: int = 128         # lpm orders as fcfs past this many waiting requests
+    seed: int | None = None               # seeds the RNG of unseeded sampled requests
+
+    def __post_init__(self):
+        def positive(name):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_pool_tokens", "max_running_requests", "max_prefill_tokens", "lpm_fallback_queue"):
+            positive(name)
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(POLICIES)}, got {self.schedule_policy!r}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if not 0.0 <= self.kv_reserve_ratio <= 1.0:
+            raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {self.kv_reserve_ratio}")
+        if self.dynamic_wait_ms < 0:
+            raise ValueError(f"dynamic_wait_ms must be >= 0, got {self.dynamic_wait_ms}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.chunked_prefill_size if self.chunked_prefill_size and self.chunked_prefill_size > 0 else None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine options: {', '.join(unknown)}")
+        return cls(**kwargs)

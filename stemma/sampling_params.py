@@ -1,0 +1,150 @@
+"""How one request samples: the single place where sampling options are named and checked.
+
+Every layer (frontend, wire protocol, engine, sampler) passes a whole `SamplingParams`, never its
+fields one by one. It is torch-free so that `import stemma` stays light. The fields are checked
+once, in `__post_init__`; every error is a ValueError whose message starts with the field's name.
+Later constrained decoding adds `regex` / `json_schema` / `grammar` fields here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+_MAX_SEED = 2**63  # seeds must fit an int64 tensor
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_real(name: str, value: Any, low: float, high: float = math.inf,
+                low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if (value <= low) if low_open else (value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _normalize_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {value!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must hold non-empty strings, got {item!r}")
+    return tuple(items)
+
+
+def _normalize_token_ids(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of ints, got {value!r}")
+    for item in value:
+        if not _is_int(item) or item < 0:
+            raise ValueError(f"{name} must hold ints >= 0, got {item!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0          # EOS and stop_token_ids are banned until this many tokens
+    temperature: float = 1.0         # 0 means greedy
+    top_p: float = 1.0               # in (0, 1]; 1 is off
+    top_k: int = -1                  # -1 is off
+    min_p: float = 0.0               # in [0, 1]; 0 is off
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens; 1 is off
+    frequency_penalty: float = 0.0   # OpenAI semantics, over output tokens; in [-2, 2]
+    presence_penalty: float = 0.0    # OpenAI semantics, over output tokens; in [-2, 2]
+    stop: tuple[str, ...] | str | list[str] | None = ()  # normalized to a tuple of strings
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None          # same seed -> same tokens, whatever the batch
+    n: int = 1
+    logprobs: bool = False           # return the chosen token's logprob
+    top_logprobs: int = 0            # return this many most likely tokens per position; 0 is off
+    logprob_start: int | None = None  # absolute prompt position from which prompt logprobs
+                                      # are returned; None returns none
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 0)
+        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_new_tokens}")
+        _check_real("temperature", self.temperature, 0.0)
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (off) or >= 1, got 0")
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        object.__setattr__(self, "stop", _normalize_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids",
+                           _normalize_token_ids("stop_token_ids", self.stop_token_ids))
+        _check_bool("ignore_eos", self.ignore_eos)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+            if self.seed >= _MAX_SEED:
+                raise ValueError(f"seed must be < 2**63, got {self.seed}")
+        _check_int("n", self.n, 1)
+        _check_bool("logprobs", self.logprobs)
+        _check_int("top_logprobs", self.top_logprobs, 0)
+        if self.logprob_start is not None:
+            _check_int("logprob_start", self.logprob_start, 0)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling is argmax: temperature 0, or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (tuples become lists), for the wire codec."""
+        out = asdict(self)
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
+        """The inverse of to_dict; missing fields take their defaults, unknown ones are an error."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"SamplingParams.from_dict needs a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - _FIELD_NAMES)
+        if unknown:
+            raise ValueError(f"unknown SamplingParams fields: {', '.join(map(str, unknown))}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with some fields changed, validated like a new one."""
+        return SamplingParams.from_dict({**self.to_dict(), **changes})
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

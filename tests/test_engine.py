@@ -1,0 +1,120 @@
+"""Engine invariance: greedy outputs do not depend on batching, caching, chunking, policy or
+KV pressure. Runs on a tiny random llama in float32."""
+import pytest
+import torch
+
+import stemma
+from stemma import SamplingParams
+from tests.tiny_models import build_tiny
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(build_tiny("llama", tmp_path_factory.mktemp("llama_engine")))
+
+
+def make(folder, **kw):
+    cfg = dict(dtype="float32", kv_pool_tokens=2048, max_running_requests=16, attention_backend="torch")
+    cfg.update(kw)
+    return stemma.Engine(folder, **cfg)
+
+
+def prompts(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 70, 12, 41, 5, 90, 27, 8, 55, 16, 33, 64, 9, 21, 47, 2][:n]
+    shared = torch.randint(3, 96, (20,), generator=g).tolist()
+    out = []
+    for i, n_tok in enumerate(lengths):
+        own = torch.randint(3, 96, (n_tok,), generator=g).tolist()
+        out.append(shared + own if i % 3 == 0 else own)  # some share a prefix
+    return out
+
+
+def finish_clean(engine):
+    engine.check_pool_whole()
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["queue"] == 0
+    assert engine.flush_cache()
+    assert engine.stats()["pool_free"] == engine.stats()["pool_total"]
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    engine = make(folder)
+    ref = [engine.generate(p, GREEDY).token_ids for p in prompts()]
+    finish_clean(engine)
+    assert len({tuple(r) for r in ref}) > 8  # the tiny model really varies its outputs
+    assert all(len(set(r)) > 3 for r in ref)
+    return ref
+
+
+CASES = {
+    "batched": {},
+    "radix_off": {"enable_radix_cache": False},
+    "chunked_32": {"chunked_prefill_size": 32},
+    "policy_fcfs": {"schedule_policy": "fcfs"},
+    "policy_dfs_weight": {"schedule_policy": "dfs-weight"},
+    "policy_sjf": {"schedule_policy": "sjf"},
+    "dynamic": {"batching": "dynamic", "dynamic_wait_ms": 5},
+    "static": {"batching": "static", "max_running_requests": 5},
+    "small_prefill_budget": {"max_prefill_tokens": 40, "chunked_prefill_size": None},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_invariance(folder, reference, case):
+    engine = make(folder, **CASES[case])
+    outs = engine.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    finish_clean(engine)
+
+
+def test_invariance_under_kv_pressure(folder, reference):
+    need = sum(len(p) + GREEDY.max_new_tokens for p in prompts())
+    engine = make(folder, kv_pool_tokens=need // 4, chunked_prefill_size=32)
+    outs = engine.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.stats()["retractions"] > 0
+    assert sum(o.meta["retractions"] for o in outs) == engine.stats()["retractions"]
+    finish_clean(engine)
+
+
+def test_seeded_sample_same_alone_and_batched(folder):
+    engine = make(folder)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20, seed=1234, ignore_eos=True)
+    target = prompts()[3]
+    alone = engine.generate(target, sp).token_ids
+    others = [p for i, p in enumerate(prompts()) if i != 3][:15]
+    batch = others[:7] + [target] + others[7:]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)] * 16
+    params[7] = sp
+    outs = engine.generate(batch, params)
+    assert outs[7].token_ids == alone
+    unseeded = [o.token_ids for i, o in enumerate(outs) if i != 7]
+    assert len({tuple(u) for u in unseeded}) > 1
+    finish_clean(engine)
+
+
+def test_shared_prefix_is_served_from_cache(folder):
+    engine = make(folder, kv_pool_tokens=8192, max_running_requests=64)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 96, (200,), generator=g).tolist() * 5   # 1,000 tokens
+    batch = [prefix + torch.randint(3, 96, (8,), generator=g).tolist() for _ in range(64)]
+    outs = engine.generate(batch, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    cached = sum(min(o.meta["cached_tokens"], len(prefix)) for o in outs)
+    assert cached >= 0.9 * 64 * len(prefix)
+    stats = engine.stats()
+    assert stats["cached_tokens"] >= 0.9 * 64 * len(prefix)
+    finish_clean(engine)
+
+
+def test_n_samples_share_prompt(folder):
+    engine = make(folder)
+    prompt = prompts()[5]
+    outs = engine.generate(prompt, SamplingParams(temperature=1.0, n=4, seed=7, max_new_tokens=8, ignore_eos=True))
+    assert len(outs) == 4
+    assert sum(o.meta["cached_tokens"] for o in outs) >= 3 * (len(prompt) - 1)
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    finish_clean(engine)
