@@ -25,7 +25,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_reserve_ratio: float = 0.3         # share of running decodes' remaining tokens kept free
     lpm_fallback_queue: int = 128         # lpm orders as fcfs past this many waiting requests
-    seed: int | None = None               # seeds the RNG of unseeded sampled requests
+    random_seed: int | None = None        # seeds the RNG of unseeded sampled requests
 
     def __post_init__(self):
         def positive(name):

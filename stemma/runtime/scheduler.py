@@ -52,8 +52,8 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.cache = RadixCache(runner.pool.allocator, runner.req_to_slot, config.enable_radix_cache)
         generator = None
-        if config.seed is not None:
-            generator = torch.Generator(device=runner.device).manual_seed(config.seed)
+        if config.random_seed is not None:
+            generator = torch.Generator(device=runner.device).manual_seed(config.random_seed)
         self.sampler = Sampler(generator)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -1,0 +1,5 @@
+import sys
+
+from stemma.cli import main
+
+sys.exit(main())
