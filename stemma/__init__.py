@@ -11,6 +11,10 @@ _LAZY = {
     "Engine": ("stemma.runtime.engine", "Engine"),
     "EngineConfig": ("stemma.runtime.engine_config", "EngineConfig"),
     "RequestOutput": ("stemma.runtime.outputs", "RequestOutput"),
+    "connect": ("stemma.runtime.client", "connect"),
+    "Client": ("stemma.runtime.client", "Client"),
+    "ServerError": ("stemma.runtime.client_base", "ServerError"),
+    "Runtime": ("stemma.runtime.local_runtime", "Runtime"),
 }
 
 

@@ -7,6 +7,7 @@ import time
 
 from stemma.cli_args import add_dataclass_args, collect
 from stemma.runtime.engine_config import EngineConfig
+from stemma.runtime.server import ServeConfig
 from stemma.sampling_params import SamplingParams
 
 _GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
@@ -38,6 +39,12 @@ def cmd_generate(ns) -> int:
     return 0
 
 
+def cmd_serve(ns) -> int:
+    from stemma.runtime.server import serve
+    return serve(EngineConfig.from_kwargs(**collect(ns, EngineConfig)),
+                 ServeConfig(**collect(ns, ServeConfig)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stemma", description="stemma: an LLM program runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(gen, SamplingParams, shown_defaults=_GENERATE_DEFAULTS)
     add_dataclass_args(gen, EngineConfig)
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="serve the model to clients over ZeroMQ (stemma.connect)")
+    add_dataclass_args(srv, ServeConfig)
+    add_dataclass_args(srv, EngineConfig)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

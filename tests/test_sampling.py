@@ -309,7 +309,7 @@ def test_seeded_uniform_is_open_unit_interval_and_even():
 
 def test_logprobs_are_raw_model_logprobs_of_the_chosen_token():
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(4)) * 3
-    reqs = [Req(SamplingParams(temperature=0.5, repetition_penalty=1.5, seed=1), [1, 2], [3]),
+    reqs = [Req(SamplingParams(temperature=0.5, repetition_penalty=1.5, seed=1, logprobs=True), [1, 2], [3]),
             Req(SamplingParams(temperature=0)), Req(SamplingParams(top_k=3)),
             Req(SamplingParams(top_p=0.5, seed=9)), Req(SamplingParams(min_p=0.2)),
             Req(SamplingParams(frequency_penalty=1.0), [], [4, 4])]
@@ -317,6 +317,13 @@ def test_logprobs_are_raw_model_logprobs_of_the_chosen_token():
     expected = torch.log_softmax(logits, -1).gather(-1, out.token_ids[:, None]).squeeze(-1)
     assert torch.allclose(out.logprobs, expected)
     assert out.top_logprobs is None
+
+
+def test_no_logprobs_when_none_asked():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
+    out = run(logits, [Req(SamplingParams(temperature=0)), Req(SamplingParams(seed=3)), Req(SamplingParams(top_k=2))])
+    assert out.logprobs is None and out.top_logprobs is None
+    assert out.token_ids[0] == logits[0].argmax()
 
 
 def test_top_logprobs_are_sorted_and_correct():

@@ -46,7 +46,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [K, vocab] (float32) at fb.logits_indices."""
+        """Logits [K, vocab] at fb.logits_indices (model dtype; see CausalLM.forward)."""
         return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool))
 
     def prepare(self, token_lists, req_rows, prefix_lens, logit_starts=None) -> ForwardBatch:

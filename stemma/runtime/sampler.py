@@ -39,13 +39,17 @@ class TopLogprobs(NamedTuple):
 
 class SampleOutput(NamedTuple):
     token_ids: torch.Tensor          # [B] int64
-    logprobs: torch.Tensor           # [B] float32, raw-model logprob of each chosen token
+    logprobs: torch.Tensor | None    # [B] float32, raw-model logprob of each chosen token;
+                                     # None when no row asked for logprobs
     top_logprobs: TopLogprobs | None  # k_max = the largest top_logprobs asked in the batch;
                                       # a row that asked for k uses its first k columns
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """A penalized copy of float32 logits [B, V], with banned tokens at -inf."""
+    """Logits [B, V] penalized, with banned tokens at -inf: a copy when anything changes,
+    else the input itself."""
+    if batch.penalties is None and batch.banned is None:
+        return logits
     scores = logits.clone()
     pen = batch.penalties
     if pen is not None:
@@ -94,14 +98,18 @@ class Sampler:
         if logits.dim() != 2 or logits.shape != (batch.batch_size, batch.vocab_size):
             raise ValueError(f"logits must have shape ({batch.batch_size}, {batch.vocab_size}), "
                              f"got {tuple(logits.shape)}")
-        logits = logits.float()
-        model_logprobs = torch.log_softmax(logits, dim=-1)
+        plain_greedy = batch.all_greedy and batch.penalties is None and batch.banned is None
+        if not plain_greedy:
+            logits = logits.float()  # greedy argmax needs no cast: it is exact in any dtype
         scores = apply_penalties(logits, batch)
         token_ids = scores.argmax(dim=-1)
         if not batch.all_greedy:
             scaled = apply_filters(scores / batch.temperatures[:, None], batch)
             drawn = (scaled + self._gumbel(batch, scaled)).argmax(dim=-1)
             token_ids = torch.where(batch.greedy, token_ids, drawn)
+        if not batch.need_logprobs:
+            return SampleOutput(token_ids, None, None)
+        model_logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = model_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         return SampleOutput(token_ids, chosen, _top_logprobs(model_logprobs, batch))
 

@@ -67,6 +67,7 @@ class SamplingBatch:
     all_greedy: bool
     any_min_p: bool
     max_top_logprobs: int
+    need_logprobs: bool  # some row asked for logprobs or top_logprobs
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1:
@@ -109,6 +110,7 @@ class SamplingBatch:
             all_greedy=all(greedy),
             any_min_p=any(p.min_p > 0 and not g for p, g in zip(params, greedy)),
             max_top_logprobs=min(max((p.top_logprobs for p in params), default=0), vocab_size),
+            need_logprobs=any(p.logprobs or p.top_logprobs for p in params),
         )
 
 

@@ -288,10 +288,12 @@ class Scheduler:
 
     # ---- after the forward ----
     def _process(self, reqs, counts, fb, logits) -> list[Request]:
-        per_req = logits.split(fb.logits_counts)
-        sampling, sample_logits = [], []
-        for req, n, lg in zip(reqs, counts, per_req):
-            self._record_prompt_logprobs(req, n, lg)
+        ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()
+        per_req = logits.split(fb.logits_counts) if logits.shape[0] != len(reqs) else None
+        sampling, rows = [], []
+        for i, (req, n) in enumerate(zip(reqs, counts)):
+            if per_req is not None:
+                self._record_prompt_logprobs(req, n, per_req[i])
             req.kv_len += n
             if req.kv_len < len(req.tokens):
                 req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
@@ -300,9 +302,11 @@ class Scheduler:
                 self._finish(req, "length")
                 continue
             sampling.append(req)
-            sample_logits.append(lg[-1])
+            rows.append(ends[i] - 1)
         if sampling:
-            self._sample(sampling, torch.stack(sample_logits))
+            if len(rows) != logits.shape[0]:
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            self._sample(sampling, logits)
         return list(reqs)
 
     def _record_prompt_logprobs(self, req: Request, n: int, lg: torch.Tensor) -> None:
@@ -325,7 +329,7 @@ class Scheduler:
         batch = SamplingBatch.build(reqs, logits.shape[-1], logits.device, eos_token_ids=self.eos_token_ids)
         out = self.sampler.sample(logits, batch)
         tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist() if any(r.params.logprobs for r in reqs) else None
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
         tops = out.top_logprobs
         now = time.perf_counter()
         newly_prompt_done = []

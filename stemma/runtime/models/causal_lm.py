@@ -62,17 +62,18 @@ class CausalLM(nn.Module):
         return h
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        """Logits (float32) at `ctx.batch.logits_indices`, shape [K, vocab]."""
+        """Logits at `ctx.batch.logits_indices`, shape [K, vocab], in the model dtype (float32
+        when soft-capped); the sampler casts what it needs."""
         ctx.backend.begin(ctx.batch)
         h = self.embed(ctx.batch.input_ids)
         for layer in self.model.layers:
             h = layer(h, ctx)
         h = self.model.norm(h[ctx.batch.logits_indices])
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(h, weight).float()
+        logits = torch.nn.functional.linear(h, weight)
         cap = self.spec.final_logit_softcap
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits
 
     # ---- weights ----

@@ -1,0 +1,69 @@
+"""The gateway's routing table: which client asked for what, under the id the engine knows it by.
+
+Clients choose their own request ids, so two clients may use the same one. The gateway gives
+every request a fresh engine-side id (`gid`) and maps it back to (client identity, client rid).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Pending:
+    """A client request in flight. For generate requests, `texts` holds one TextStream per sequence."""
+    peer: bytes
+    rid: str
+    kind: str                        # the request's message tag
+    stream: bool = False
+    n: int = 1
+    input_ids: list[int] = field(default_factory=list)
+    params: Any = None               # SamplingParams (generate requests)
+    texts: dict[int, Any] = field(default_factory=dict)
+    done: int = 0                    # sequences finished so far (of n)
+
+
+class Routes:
+    def __init__(self):
+        self._ids = itertools.count()
+        self._by_gid: dict[str, Pending] = {}
+        self._by_client: dict[tuple[bytes, str], str] = {}
+        self._by_peer: dict[bytes, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_gid)
+
+    def add(self, pending: Pending) -> str:
+        """Registers `pending`; returns its engine-side id. Raises ValueError if the client
+        already has a request in flight under the same id."""
+        key = (pending.peer, pending.rid)
+        if key in self._by_client:
+            raise ValueError(f"request id {pending.rid!r} is already in flight on this connection")
+        gid = f"g{next(self._ids)}"
+        self._by_gid[gid] = pending
+        self._by_client[key] = gid
+        self._by_peer.setdefault(pending.peer, set()).add(gid)
+        return gid
+
+    def get(self, gid: str) -> Pending | None:
+        return self._by_gid.get(gid)
+
+    def find(self, peer: bytes, rid: str) -> str | None:
+        return self._by_client.get((peer, rid))
+
+    def pop(self, gid: str) -> Pending:
+        pending = self._by_gid.pop(gid)
+        del self._by_client[(pending.peer, pending.rid)]
+        gids = self._by_peer[pending.peer]
+        gids.discard(gid)
+        if not gids:
+            del self._by_peer[pending.peer]
+        return pending
+
+    def pop_peer(self, peer: bytes) -> list[tuple[str, Pending]]:
+        """Removes and returns every request of a client."""
+        return [(gid, self.pop(gid)) for gid in sorted(self._by_peer.get(peer, ()))]
+
+    def pop_all(self) -> list[Pending]:
+        return [self.pop(gid) for gid in list(self._by_gid)]

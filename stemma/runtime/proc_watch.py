@@ -1,0 +1,53 @@
+"""Noticing that another process has exited: the gateway watches the engine, and every server
+process watches its parent so that none outlives the `serve` that started it."""
+from __future__ import annotations
+
+import os
+import select
+
+
+class ProcessWatch:
+    """Watches a process that need not be our child.
+
+    On Linux `fd` is a pidfd: it turns readable the moment the process exits (even while it is
+    an unreaped zombie), so it can sit in a zmq.Poller beside the sockets. Elsewhere `fd` is None
+    and `exited()` falls back to probing the pid.
+    """
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.fd: int | None = None
+        self._gone = False
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._gone = True
+
+    def exited(self) -> bool:
+        if self._gone:
+            return True
+        if self.fd is not None:
+            readable, _, _ = select.select([self.fd], [], [], 0)
+            self._gone = bool(readable)
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self._gone = True
+        return self._gone
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class ParentWatch:
+    """True from `orphaned()` once the process that started us has exited (we were reparented)."""
+
+    def __init__(self):
+        self.ppid = os.getppid()
+
+    def orphaned(self) -> bool:
+        return os.getppid() != self.ppid

@@ -1,0 +1,10 @@
+import os
+
+# Triton picks interpreter or compiled mode when a kernel module is first imported, so this must
+# be set before anything imports stemma.kernels. Without CUDA, kernels run under the interpreter.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# OpenMP threads that spin at barriers make torch ops ~100x slower when another process holds
+# the other core (as on a 2-core CI machine running subprocess servers). Must precede torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -1,0 +1,114 @@
+"""The wire codec: every message round-trips, and every malformed frame is a ProtocolError."""
+import msgpack
+import pytest
+import zmq
+from hypothesis import given, settings, strategies as st
+
+from stemma.runtime import protocol as P
+from stemma.runtime.peer_watch import PeerWatch
+from stemma.sampling_params import SamplingParams
+
+EXAMPLES = [
+    P.GenerateReq(rid="a", prompt="héllo", params=SamplingParams(max_new_tokens=3, stop=["x"], seed=7),
+                  stream=True, salt="s"),
+    P.GenerateReq(rid="b", input_ids=[1, 2, 3], params=SamplingParams(n=2, logprobs=True, top_logprobs=2)),
+    P.Abort(rid="a"), P.FlushCache(rid="f"), P.GetInfo(rid="i"), P.Health(rid="h"),
+    P.TokenChunk(rid="a", index=1, token_ids=[4], text="x", logprobs=[-0.5], top_logprobs=[[(4, -0.5), (9, -2.0)]]),
+    P.Finished(rid="a", token_ids=[4, 5], text="xy", finish_reason="stop", prompt_logprobs=[None, -1.5],
+               meta={"ttft": None, "latency": 0.25, "prompt_tokens": 3}),
+    P.ErrorMsg(rid="", code=P.BAD_REQUEST, message="no"),
+    P.FlushDone(rid="f", ok=False),
+    P.Info(rid="i", model="m", context_length=2048, vocab_size=96, stats={"pool_whole": True}),
+    P.HealthOk(rid="h"),
+    P.EngineReady(model="m", context_length=8, vocab_size=96),
+    P.Batch(items=[P.TokenChunk(rid="a", token_ids=[1]), P.Finished(rid="a", token_ids=[1], finish_reason="length"),
+                   P.ErrorMsg(rid="b", code=P.BAD_REQUEST, message="bad")]),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.TAG)
+def test_round_trip(msg):
+    assert P.decode(P.encode(msg)) == msg
+
+
+@given(ids=st.lists(st.integers(0, 2**31), min_size=1, max_size=50), text=st.text(max_size=40),
+       max_new=st.integers(0, 1000), temperature=st.floats(0, 5), stream=st.booleans(),
+       salt=st.none() | st.text(max_size=10))
+@settings(max_examples=60, deadline=None)
+def test_generate_round_trip(ids, text, max_new, temperature, stream, salt):
+    params = SamplingParams(max_new_tokens=max_new, temperature=temperature, stop=[text] if text else None)
+    for msg in (P.GenerateReq(rid="r", input_ids=ids, params=params, stream=stream, salt=salt),
+                P.GenerateReq(rid="r", prompt=text, params=params, stream=stream, salt=salt)):
+        assert P.decode(P.encode(msg)) == msg
+
+
+def wire(**fields):
+    return msgpack.packb({"version": P.PROTOCOL_VERSION, **fields})
+
+
+GOOD = P.encode(P.GenerateReq(rid="q", input_ids=[1, 2]))
+BAD = {
+    "garbage": (b"\xc1\xc1 not msgpack", "", "msgpack"),
+    "truncated": (GOOD[:-3], "", "msgpack"),
+    "not_a_map": (msgpack.packb([1, 2]), "", "must be a map"),
+    "int_key": (msgpack.packb({1: 2}), "", "msgpack"),
+    "unknown_type": (wire(type="launch", rid="q"), "q", "unknown message type 'launch'"),
+    "wrong_version": (msgpack.packb({"type": "abort", "version": 99, "rid": "q"}), "q", "version 99"),
+    "missing_field": (wire(type="abort"), "", "missing fields rid"),
+    "unknown_field": (wire(type="abort", rid="q", extra=1), "q", "unknown fields extra"),
+    "ids_not_list": (wire(type="generate", rid="q", input_ids="abc"), "q", "generate.input_ids must be list[int]"),
+    "bool_id": (wire(type="generate", rid="q", input_ids=[1, True]), "q", "generate.input_ids[1] must be int"),
+    "negative_max_new": (wire(type="generate", rid="q", input_ids=[1], params={"max_new_tokens": -1}), "q",
+                         "max_new_tokens must be >= 0"),
+    "unknown_param": (wire(type="generate", rid="q", input_ids=[1], params={"temp": 1}), "q", "temp"),
+    "both_prompts": (wire(type="generate", rid="q", input_ids=[1], prompt="x"), "q", "exactly one"),
+    "empty_ids": (wire(type="generate", rid="q", input_ids=[]), "q", "at least one token"),
+    "stream_n": (wire(type="generate", rid="q", input_ids=[1], stream=True, params={"n": 2}), "q", "n must be 1"),
+    "empty_rid": (wire(type="abort", rid=""), "", "rid must hold"),
+    "deep_nesting": (b"\x91" * 5000, "", "msgpack"),
+    "ext_type": (msgpack.packb(msgpack.ExtType(5, b"x")), "", "msgpack"),
+    "nested_wrong": (wire(type="batch", items=[{"type": "abort", "version": 1, "rid": "x"}]), "",
+                     "batch.items[0] must be"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_malformed_frames_are_protocol_errors(name):
+    frame, rid, words = BAD[name]
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(frame)
+    assert info.value.rid == rid
+    assert words in str(info.value)
+
+
+def test_size_limit_and_allowed_types():
+    with pytest.raises(P.ProtocolError, match="over the limit of 100 bytes"):
+        P.decode(P.encode(P.GenerateReq(rid="q", prompt="x" * 200)), max_bytes=100)
+    with pytest.raises(P.ProtocolError, match="not accepted here") as info:
+        P.decode(P.encode(P.HealthOk(rid="h")), P.CLIENT_REQUESTS)
+    assert info.value.rid == "h"
+
+
+def test_peer_watch_names_the_client_that_disconnected():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    watch = PeerWatch(router)
+    dealers = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    identities = []
+    for d in dealers:
+        d.connect(f"tcp://127.0.0.1:{port}")
+        d.send(b"hi")
+        peer, body = router.recv_multipart(copy=False)
+        watch.seen(peer.bytes, body)
+        identities.append(peer.bytes)
+    assert watch.gone() == []
+    dealers[0].close(linger=0)
+    assert watch.monitor.poll(5000)
+    assert watch.gone() == [identities[0]]
+    dealers[1].close(linger=0)
+    assert watch.monitor.poll(5000)
+    assert watch.gone() == [identities[1]]
+    watch.close()
+    router.close(linger=0)
+    ctx.term()

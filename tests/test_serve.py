@@ -1,0 +1,326 @@
+"""`stemma serve` end to end, on a tiny random llama with a tiny word-level tokenizer.
+
+The server runs as a real subprocess (`python -m stemma serve`); its outputs are compared with the
+in-process Engine on the same checkpoint.
+"""
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+import stemma
+from stemma.runtime import protocol as P
+from stemma.sampling_params import SamplingParams
+from tests.tiny_models import build_tiny
+from tests.tiny_tokenizer import save_tiny_tokenizer, words
+
+KEY = "s3cret"
+FRAME_LIMIT = 64 * 1024
+ENGINE = dict(dtype="float32", attention_backend="torch", kv_pool_tokens=8192, max_running_requests=64)
+GREEDY = dict(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+LONG = dict(temperature=0.0, max_new_tokens=1900, ignore_eos=True)  # would run for many seconds
+KILLED_CLIENT = """
+import sys, time, stemma
+client = stemma.connect(sys.argv[1], api_key=sys.argv[2])
+stream = client.stream([int(t) for t in sys.argv[3].split(",")], dict(temperature=0.0, max_new_tokens=1900,
+                                                                      ignore_eos=True))
+next(iter(stream))
+print("streaming", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = build_tiny("llama", tmp_path_factory.mktemp("serve_llama"))
+    return str(save_tiny_tokenizer(path))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return out
+
+
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Served:
+    """A `stemma serve` subprocess on the tiny model."""
+
+    def __init__(self, folder, *extra):
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+        self.proc = subprocess.Popen([sys.executable, "-m", "stemma", "serve", "--model", folder,
+                                      "--port", str(self.port), *flags, *extra])
+        self.client = stemma.connect(self.address, api_key=KEY if "--api-key" in extra else None)
+        deadline = time.monotonic() + 120
+        while not self.client.health(timeout=0.5):
+            assert self.proc.poll() is None, "serve exited during startup"
+            assert time.monotonic() < deadline, "serve did not become healthy"
+        self.children = children(self.proc.pid)
+        assert len(self.children) == 2
+
+    def child(self, module: str) -> int:
+        (pid,) = [p for p in self.children if module in cmdline(p)]
+        return pid
+
+    def stop(self) -> int:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(20)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            for pid in self.children:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    served = Served(folder, "--api-key", KEY, "--max-frame-bytes", str(FRAME_LIMIT))
+    yield served
+    assert served.stop() == 0  # SIGINT is a clean shutdown
+    time.sleep(0.2)
+    assert not any(alive(pid) for pid in served.children)
+
+
+def make_prompts():
+    vocab = words()
+    text = [" ".join(vocab[(7 * i + j) % len(vocab)] for j in range(3 + 5 * i % 17)) for i in range(16)]
+    shared = [(11 * j) % 92 + 4 for j in range(24)]
+    ids = [(shared if i % 2 else []) + [(13 * i + 5 * j) % 92 + 4 for j in range(2 + 7 * i % 29)]
+           for i in range(16)]
+    params = [dict(GREEDY, stop=[vocab[5]] if i % 5 == 0 else None) for i in range(32)]
+    return text + ids, params
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """The in-process Engine's token ids and streamed text for each prompt."""
+    engine = stemma.Engine(folder, **ENGINE)
+    prompts, params = make_prompts()
+    out = []
+    for prompt, p in zip(prompts, params):
+        text = "".join(engine.stream(prompt, p))
+        out.append((engine.generate(prompt, p).token_ids, text))
+    assert len({tuple(ids) for ids, _ in out}) > 20
+    return out
+
+
+async def wait_idle(client, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = (await client.ainfo())["stats"]
+        if stats["running"] == 0 and stats["queue"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"requests still running: {stats}"
+        await asyncio.sleep(0.05)
+
+
+async def stream_all(client, prompt, params):
+    stream = client.astream(prompt, params, timeout=60)
+    deltas = [d async for d in stream]
+    return stream, deltas
+
+
+async def abort_midway(client, prompt):
+    stream = client.astream(prompt, LONG, timeout=60)
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 3:
+            await client.aabort(stream.rid)
+    return stream
+
+
+async def start_doomed_clients(address, prompts):
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-c", KILLED_CLIENT, address, KEY, ",".join(map(str, p)),
+        stdout=asyncio.subprocess.PIPE) for p in prompts]
+    for proc in procs:
+        assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"streaming\n"
+    return procs
+
+
+def test_concurrent_streams_match_the_engine(server, reference):
+    prompts, params = make_prompts()
+    doomed_prompts = [[40 + i, 9, 17] for i in range(8)]
+    abort_prompts = [[50 + i, 3, 8, 21] for i in range(8)]
+
+    async def main():
+        clients = [stemma.connect(server.address, api_key=KEY) for _ in range(48)]
+        before = (await clients[0].ainfo())["stats"]
+        doomed = await start_doomed_clients(server.address, doomed_prompts)
+        streams = [asyncio.ensure_future(stream_all(c, p, sp)) for c, p, sp in zip(clients, prompts, params)]
+        aborts = [asyncio.ensure_future(abort_midway(c, p)) for c, p in zip(clients[32:40], abort_prompts)]
+        await asyncio.sleep(0.05)
+        for proc in doomed:  # disconnect abruptly, mid-stream
+            proc.kill()
+            await proc.wait()
+        results = await asyncio.gather(*streams)
+        aborted = await asyncio.gather(*aborts)
+        stats = await wait_idle(clients[0])
+        return before, results, aborted, stats, clients
+
+    before, results, aborted, stats, clients = asyncio.run(main())
+    for (stream, deltas), (ids, text), prompt in zip(results, reference, prompts):
+        assert stream.output.token_ids == ids, prompt
+        assert "".join(deltas) == text == stream.output.text
+        assert stream.token_ids == ids
+    assert {s.output.finish_reason for s, _ in results} == {"length", "stop"}  # stop strings were hit
+    for stream in aborted:
+        assert stream.output.finish_reason == "abort"
+        assert 3 <= len(stream.output.token_ids) < LONG["max_new_tokens"]
+    assert stats["pool_whole"] and stats["running"] == 0 and stats["queue"] == 0
+    # The killed clients' requests were aborted, not run to their 1900 tokens.
+    finished = sum(len(s.output.token_ids) for s, _ in results) + sum(len(s.output.token_ids) for s in aborted)
+    by_doomed = stats["generated_tokens"] - before["generated_tokens"] - finished
+    assert by_doomed < 8 * LONG["max_new_tokens"] // 4
+    assert server.client.flush_cache()
+    stats = server.client.info()["stats"]
+    assert stats["pool_free"] == stats["pool_total"] and stats["pool_whole"]
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture
+def raw(server):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    yield sock
+    sock.close()
+
+
+def exchange(sock, body, key=KEY):
+    sock.send_multipart([key.encode(), body])
+    assert sock.poll(10_000), "no reply"
+    return P.decode(sock.recv_multipart()[-1])
+
+
+def wire(**fields):
+    return msgpack.packb({"version": P.PROTOCOL_VERSION, **fields})
+
+
+BAD_INPUTS = {
+    "garbage": (b"\xc1\xc1\x00 garbage", P.BAD_REQUEST, "", "msgpack"),
+    "truncated": (P.encode(P.GenerateReq(rid="t", input_ids=[5, 6]))[:-2], P.BAD_REQUEST, "", "msgpack"),
+    "unknown_type": (wire(type="detonate", rid="u"), P.BAD_REQUEST, "u", "unknown message type"),
+    "reply_type": (P.encode(P.HealthOk(rid="r")), P.BAD_REQUEST, "r", "not accepted"),
+    "wrong_field_type": (wire(type="generate", rid="w", input_ids="5 6"), P.BAD_REQUEST, "w",
+                         "input_ids must be list[int]"),
+    "negative_max_new_tokens": (wire(type="generate", rid="n", input_ids=[5], params={"max_new_tokens": -3}),
+                                P.BAD_REQUEST, "n", "max_new_tokens must be >= 0"),
+    "prompt_over_context": (P.encode(P.GenerateReq(rid="c", input_ids=[5] * 3000)), P.BAD_REQUEST, "c",
+                            "does not fit the context"),
+    "text_over_context": (P.encode(P.GenerateReq(rid="x", prompt="ka " * 3000)), P.BAD_REQUEST, "x",
+                          "does not fit the context"),
+    "invalid_token_id": (P.encode(P.GenerateReq(rid="i", input_ids=[5, 96])), P.BAD_REQUEST, "i",
+                         "outside [0, 96)"),
+    "over_size_limit": (P.encode(P.GenerateReq(rid="big", prompt="ka " * (FRAME_LIMIT // 3 + 10))), P.TOO_LARGE,
+                        "", "over the limit"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_gets_an_error_and_the_server_stays_up(server, raw, name):
+    body, code, rid, words_ = BAD_INPUTS[name]
+    reply = exchange(raw, body)
+    assert isinstance(reply, P.ErrorMsg) and reply.code == code and reply.rid == rid, reply
+    assert words_ in reply.message
+    ok = exchange(raw, P.encode(P.GenerateReq(rid="ok", input_ids=[5, 6], params=SamplingParams(**GREEDY))))
+    assert isinstance(ok, P.Finished) and len(ok.token_ids) == GREEDY["max_new_tokens"]
+
+
+def test_wrong_api_key_and_bad_envelope(server, raw):
+    good = P.encode(P.GenerateReq(rid="k", input_ids=[5, 6], params=SamplingParams(**GREEDY)))
+    for key in ("wrong", ""):
+        reply = exchange(raw, good, key=key)
+        assert isinstance(reply, P.ErrorMsg) and reply.code == P.UNAUTHORIZED
+    raw.send(good)  # one frame: no key frame at all
+    assert raw.poll(10_000)
+    reply = P.decode(raw.recv_multipart()[-1])
+    assert reply.code in (P.BAD_REQUEST, P.UNAUTHORIZED)
+    with pytest.raises(stemma.ServerError, match="unauthorized"):
+        stemma.connect(server.address, api_key="nope").generate([5, 6], GREEDY, timeout=10)
+    assert isinstance(exchange(raw, good), P.Finished)
+
+
+def test_killing_the_engine_fails_waiting_clients_and_serve(folder):
+    served = Served(folder)
+    try:
+        stream = served.client.stream([5, 6, 7], LONG, timeout=30)
+        next(iter(stream))
+        os.kill(served.child("engine_process"), signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(stemma.ServerError) as info:
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 5
+        assert info.value.code in (P.ENGINE_DEAD, "connection_lost")
+        assert served.proc.wait(20) != 0
+    finally:
+        served.stop()
+    assert not any(alive(pid) for pid in served.children)
+
+
+def test_runtime_starts_serves_cancels_and_stops(folder, reference):
+    prompts, params = make_prompts()
+    with stemma.Runtime(folder, **ENGINE) as rt:
+        assert rt.address.startswith("ipc://") and rt.running
+        pids = [p for p in children(os.getpid()) if "stemma.runtime" in cmdline(p)]
+        assert len(pids) == 2
+        assert rt.client.generate(prompts[3], params[3]).token_ids == reference[3][0]
+        stream = rt.client.stream([7, 8, 9], LONG)
+        next(iter(stream))
+        stream.close()  # the sync client cancels
+
+        async def cancel():
+            task = asyncio.ensure_future(rt.client.agenerate([7, 8, 10], LONG))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await wait_idle(rt.client, timeout=5)
+
+        stats = asyncio.run(cancel())
+        assert stats["pool_whole"]
+        assert stats["generated_tokens"] < LONG["max_new_tokens"]
+    assert not rt.running
+    assert not any(alive(pid) for pid in pids)
