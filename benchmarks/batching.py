@@ -1,0 +1,126 @@
+"""Batching modes (continuous, dynamic, static) x radix cache (on, off) on the default model.
+
+Workloads (all requests arrive at once; greedy; EOS ignored so each request generates exactly
+its drawn output length):
+  mixed-uniform    random 32-256-token prompts, outputs uniform in [8, 128]
+  mixed-longtail   same prompts, outputs long-tailed in [8, 128] (lognormal, median ~22, as
+                   ShareGPT-like traffic: most answers short, a few long)
+  shared-prefix    a 400-token shared prefix + a 16-48-token question, outputs uniform in [8, 64]
+
+Every mode runs at the same maximum batch size. Prints throughput (generated tokens/s) and
+TTFT p50/p99 per run, the continuous/static ratio per workload, and writes a PNG plot.
+
+    python benchmarks/batching.py [--requests 64] [--max-batch 16] [--png benchmarks/batching.png]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import percentile, table  # noqa: E402
+
+MODES = ("continuous", "dynamic", "static")
+
+
+def workload(name: str, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(10, 30000) for _ in range(k)]  # noqa: E731
+    if name == "shared-prefix":
+        prefix = tok(400)
+        return [(prefix + tok(rng.randint(16, 48)), rng.randint(8, 64)) for _ in range(n)]
+    if name == "mixed-uniform":
+        return [(tok(rng.randint(32, 256)), rng.randint(8, 128)) for _ in range(n)]
+    if name == "mixed-longtail":
+        return [(tok(rng.randint(32, 256)), min(128, max(8, round(rng.lognormvariate(3.1, 0.8)))))
+                for _ in range(n)]
+    raise ValueError(name)
+
+
+def run(engine, reqs_spec) -> dict:
+    from stemma import SamplingParams
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    reqs = [r for ids, n in reqs_spec
+            for r in engine.submit(ids, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))]
+    engine.run_until_done(reqs)
+    wall = time.perf_counter() - t0
+    ttft = [r.first_token_time - r.arrival for r in reqs]
+    tokens = sum(len(r.output_ids) for r in reqs)
+    engine.check_pool_whole()
+    return {"throughput": tokens / wall, "wall": wall, "tokens": tokens,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "cached": sum(r.cached_tokens for r in reqs), "prompt": sum(len(r.input_ids) for r in reqs)}
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = sorted({w for w, _, _ in results})
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, w in zip(axes[0], names):
+        labels, values = [], []
+        for (wl, mode, radix), r in results.items():
+            if wl == w:
+                labels.append(f"{mode}\nradix {'on' if radix else 'off'}")
+                values.append(r["throughput"])
+        ax.bar(range(len(values)), values, color=["C0", "C1", "C2", "C3", "C4", "C5"][:len(values)])
+        ax.set_xticks(range(len(values)), labels, fontsize=7)
+        ax.set_title(w)
+        ax.set_ylabel("generated tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--workloads", nargs="+", default=["mixed-uniform", "mixed-longtail", "shared-prefix"])
+    ap.add_argument("--png", default=str(Path(__file__).with_name("batching.png")))
+    args = ap.parse_args()
+
+    import stemma
+    warm = [(ids, 4) for ids, _ in workload("mixed-uniform", 4, seed=99)]
+    engines = {}
+
+    def engine_for(mode: str, radix: bool):
+        if (mode, radix) not in engines:
+            engines.clear()  # one engine (model + KV pool) in memory at a time
+            engines[(mode, radix)] = e = stemma.Engine(
+                max_running_requests=args.max_batch, enable_radix_cache=radix, batching=mode,
+                kv_pool_tokens=32768, dynamic_wait_ms=50, chunked_prefill_size=1024)
+            run(e, warm)
+        return engines[(mode, radix)]
+
+    results, rows = {}, []
+    for w in args.workloads:
+        spec = workload(w, args.requests)
+        radix_options = (True, False) if w == "shared-prefix" else (True,)
+        for radix in radix_options:
+            for mode in MODES:
+                r = run(engine_for(mode, radix), spec)
+                results[(w, mode, radix)] = r
+                rows.append([w, mode, "on" if radix else "off", r["tokens"], r["wall"], r["throughput"],
+                             r["ttft_p50"], r["ttft_p99"], f"{r['cached'] / r['prompt']:.0%}"])
+                print(f"  {w:15s} {mode:10s} radix {'on ' if radix else 'off'} {r['throughput']:7.1f} tok/s", flush=True)
+    print(f"\ndefault model, {args.requests} requests per workload, max batch {args.max_batch}")
+    print(table(["workload", "batching", "radix", "tokens", "wall s", "tok/s", "ttft p50 s", "ttft p99 s",
+                 "cached"], rows))
+    print()
+    for w in args.workloads:
+        c, s = results[(w, "continuous", True)], results[(w, "static", True)]
+        print(f"{w}: continuous / static throughput = {c['throughput'] / s['throughput']:.2f}x")
+    if "shared-prefix" in args.workloads:
+        on, off = results[("shared-prefix", "continuous", True)], results[("shared-prefix", "continuous", False)]
+        print(f"shared-prefix: radix on / off throughput (continuous) = {on['throughput'] / off['throughput']:.2f}x")
+    plot(results, args.png)
+    print(f"plot: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
