@@ -27,9 +27,16 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(token_ids)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """The held-back tail, incomplete characters included, once no more tokens will come."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]
@@ -96,7 +103,7 @@ class TextStream:
 
     def finish(self) -> str:
         """Whatever was held back, once no more tokens will come."""
-        return self.stops.flush()
+        return self.stops.add(self.detok.flush()) + self.stops.flush()
 
     @property
     def stopped(self) -> str | None:

@@ -166,12 +166,13 @@ class Engine:
 
     def output(self, req: Request) -> RequestOutput:
         p = req.params
+        text = ""
         if req.stop_tracker is not None:
+            req.stop_tracker.finish()
             text = req.stop_tracker.text
-        elif self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
-        else:
-            text = ""
+        elif self.tokenizer is not None:  # decoded as the stream decodes it, after the prompt
+            stream = TextStream(self.tokenizer, (), p.skip_special_tokens, req.input_ids)
+            text = stream.push(req.output_ids) + stream.finish()
         end = req.finish_time or time.perf_counter()
         meta = {
             "prompt_tokens": len(req.input_ids),

@@ -1,0 +1,118 @@
+"""The Engine's public API on a tiny model with a tiny tokenizer: errors, streaming, stops,
+logprobs, stats and the CLI."""
+import pytest
+import torch
+
+import stemma
+from stemma import SamplingParams
+from tests.tiny_models import build_tiny
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(save_tiny_tokenizer(build_tiny("llama", tmp_path_factory.mktemp("llama_api"))))
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    return stemma.Engine(folder, dtype="float32", kv_pool_tokens=1024, max_running_requests=8)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"bogus": 1}, "bogus")])
+def test_invalid_params_name_the_field(engine, bad, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate("ka lo", bad)
+    assert engine.generate("ka lo", GREEDY).finish_reason == "length"  # still serving
+
+
+def test_bad_prompts(engine):
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([5, 500], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        engine.generate([5] * 5000, GREEDY)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], GREEDY)
+    assert engine.generate([], GREEDY) == []
+
+
+def test_unknown_engine_option(folder):
+    with pytest.raises(ValueError, match="unknown engine options: speed"):
+        stemma.Engine(folder, speed=3)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        stemma.Engine(folder, schedule_policy="random")
+
+
+def test_stream_concatenates_to_generate_text(engine):
+    full = engine.generate("ka lo mi", GREEDY)
+    deltas = list(engine.stream("ka lo mi", GREEDY))
+    assert len(deltas) > 1
+    assert "".join(deltas) == full.text
+
+
+def test_stop_string_across_tokens_is_trimmed(engine):
+    full = engine.generate("ka lo mi", GREEDY)
+    words = full.text.split()
+    stop = f"{words[3]} {words[4]}"  # spans two tokens
+    out = engine.generate("ka lo mi", GREEDY.replace(stop=[stop]))
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop)]
+    streamed = "".join(engine.stream("ka lo mi", GREEDY.replace(stop=[stop])))
+    assert streamed == out.text
+    engine.check_pool_whole()
+
+
+def test_stop_token_ids(engine):
+    full = engine.generate("ka lo mi", GREEDY)
+    out = engine.generate("ka lo mi", GREEDY.replace(stop_token_ids=[full.token_ids[2]]))
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:3]
+
+
+def test_logprobs_match_a_full_forward(engine):
+    ids = engine.tokenize("ka lo mi nu pe ri")
+    out = engine.generate(ids, GREEDY.replace(max_new_tokens=4, logprobs=True, top_logprobs=3, logprob_start=2))
+    seq = ids + out.token_ids
+    from tests.driver import Driver
+    from stemma.runtime.model_runner import ModelRunner, RunnerConfig
+    d = Driver(ModelRunner(engine.loaded, RunnerConfig(kv_pool_tokens=64, attention_backend="torch")))
+    ref = torch.log_softmax(d.step([(d.new(), seq)], all_logits=True)[0].float(), -1)
+    want_prompt = [ref[p - 1, seq[p]].item() for p in range(2, len(ids))]
+    assert out.prompt_logprobs == pytest.approx(want_prompt, abs=1e-4)
+    want_out = [ref[len(ids) - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
+    assert out.logprobs == pytest.approx(want_out, abs=1e-4)
+    top = out.top_logprobs[0]
+    assert [t for t, _ in top] == ref[len(ids) - 1].topk(3).indices.tolist()
+    assert top[0][0] == out.token_ids[0]
+
+
+def test_prompt_logprobs_with_cached_prefix(engine):
+    ids = engine.tokenize("so tu vé zo ka lo mi nu")
+    engine.generate(ids, GREEDY)  # caches the whole prompt
+    a = engine.generate(ids, GREEDY.replace(max_new_tokens=0, logprob_start=4))
+    assert a.finish_reason == "length" and a.token_ids == []
+    assert len(a.prompt_logprobs) == len(ids) - 4
+    assert a.meta["cached_tokens"] <= 3  # the match stopped before the scored positions
+
+
+def test_stats_and_flush(engine):
+    engine.generate(["ka lo mi nu pe ri so tu", "ka lo mi nu pe ri so vé"], GREEDY)
+    s = engine.stats()
+    for key in ("cache_hit_rate", "tokens_per_s", "queue", "running", "pool_usage"):
+        assert key in s
+    assert s["running"] == 0 and s["cached_tokens"] > 0
+    engine.check_pool_whole()
+    assert engine.flush_cache()
+    assert engine.stats()["pool_free"] == engine.stats()["pool_total"]
+
+
+def test_cli_generate(folder, capsys):
+    from stemma.cli import main
+    assert main(["generate", "ka lo", "--model", folder, "--max-new-tokens", "5", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ka lo") and len(out.split()) > 2
+    assert main(["generate", "ka", "--model", folder, "--max-new-tokens", "-3"]) == 2
+    assert "max_new_tokens" in capsys.readouterr().err
