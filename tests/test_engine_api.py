@@ -116,3 +116,9 @@ def test_cli_generate(folder, capsys):
     assert out.startswith("ka lo") and len(out.split()) > 2
     assert main(["generate", "ka", "--model", folder, "--max-new-tokens", "-3"]) == 2
     assert "max_new_tokens" in capsys.readouterr().err
+
+
+def test_prompt_logprobs_of_a_one_token_prompt(engine):
+    out = engine.generate([7], GREEDY.replace(max_new_tokens=2, logprob_start=0))
+    assert out.prompt_logprobs == [None]
+    assert len(out.token_ids) == 2

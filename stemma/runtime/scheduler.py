@@ -288,12 +288,11 @@ class Scheduler:
 
     # ---- after the forward ----
     def _process(self, reqs, counts, fb, logits) -> list[Request]:
-        ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()
-        per_req = logits.split(fb.logits_counts) if logits.shape[0] != len(reqs) else None
+        ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()  # request i's rows end at ends[i]
         sampling, rows = [], []
         for i, (req, n) in enumerate(zip(reqs, counts)):
-            if per_req is not None:
-                self._record_prompt_logprobs(req, n, per_req[i])
+            if req.logit_start() is not None:
+                self._record_prompt_logprobs(req, n, logits[ends[i] - fb.logits_counts[i]:ends[i]])
             req.kv_len += n
             if req.kv_len < len(req.tokens):
                 req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
@@ -310,9 +309,7 @@ class Scheduler:
         return list(reqs)
 
     def _record_prompt_logprobs(self, req: Request, n: int, lg: torch.Tensor) -> None:
-        start = req.logit_start()
-        if start is None:
-            return
+        """Logprobs of the prompt tokens whose preceding position is among lg's rows."""
         first = req.kv_len + n - lg.shape[0]          # position of lg[0]
         prompt_end = len(req.input_ids) - 1           # last position whose next token is in the prompt
         if first <= prompt_end:
