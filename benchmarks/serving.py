@@ -175,10 +175,11 @@ def main(argv=None) -> int:
     jobs = workload(c * args.rounds, args.prompt_words, args.output_len, args.output_dist, args.seed + c)
     wall, records = inprocess_level(engine, c, jobs)
     rows.append(row("in-process", c, wall, records))
+    lengths = (f"{args.output_len} tokens" if args.output_dist == "uniform"
+               else f"median {args.output_len // 2}, max {4 * args.output_len} tokens")
     print(f"\nmodel: {config.get('model') or 'default (Gemma 3 270M Q4_K_M)'}; workload per level: "
           f"conc x {args.rounds} requests, {args.prompt_words}-word text prompts, {args.output_dist} "
-          f"outputs ({'median ' if args.output_dist == 'longtail' else ''}{args.output_len // (2 if args.output_dist == 'longtail' else 1)} "
-          f"tokens, ignore_eos), greedy; times in ms")
+          f"outputs ({lengths}, ignore_eos), greedy; times in ms")
     print(table(HEADERS, rows))
     print(f"server overhead at concurrency {c}: served / in-process throughput = "
           f"{served_tps[c] / rows[-1][5]:.2f}")

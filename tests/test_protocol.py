@@ -1,4 +1,7 @@
 """The wire codec: every message round-trips, and every malformed frame is a ProtocolError."""
+import subprocess
+import sys
+
 import msgpack
 import pytest
 import zmq
@@ -112,3 +115,9 @@ def test_peer_watch_names_the_client_that_disconnected():
     watch.close()
     router.close(linger=0)
     ctx.term()
+
+
+def test_the_client_does_not_import_torch():
+    code = ("import sys, stemma; stemma.connect('tcp://127.0.0.1:9').close(); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -25,12 +25,14 @@ KEY = "s3cret"
 FRAME_LIMIT = 64 * 1024
 ENGINE = dict(dtype="float32", attention_backend="torch", kv_pool_tokens=8192, max_running_requests=64)
 GREEDY = dict(temperature=0.0, max_new_tokens=16, ignore_eos=True)
-LONG = dict(temperature=0.0, max_new_tokens=1900, ignore_eos=True)  # would run for many seconds
-KILLED_CLIENT = """
+LONG = dict(temperature=0.0, max_new_tokens=2000, ignore_eos=True)  # would run for seconds
+DOOMED_CLIENT = f"""
 import sys, time, stemma
 client = stemma.connect(sys.argv[1], api_key=sys.argv[2])
-stream = client.stream([int(t) for t in sys.argv[3].split(",")], dict(temperature=0.0, max_new_tokens=1900,
-                                                                      ignore_eos=True))
+assert client.health(timeout=30)
+print("ready", flush=True)
+sys.stdin.readline()
+stream = client.stream([int(t) for t in sys.argv[3].split(",")], {LONG!r})
 next(iter(stream))
 print("streaming", flush=True)
 time.sleep(120)
@@ -114,7 +116,11 @@ class Served:
 def server(folder):
     served = Served(folder, "--api-key", KEY, "--max-frame-bytes", str(FRAME_LIMIT))
     yield served
-    assert served.stop() == 0  # SIGINT is a clean shutdown
+    waiting = stemma.connect(served.address, api_key=KEY).stream([5, 6], LONG, timeout=30)
+    next(iter(waiting))
+    assert served.stop() == 0  # SIGINT is a clean shutdown, and a waiting client hears why
+    with pytest.raises(stemma.ServerError, match="shutting_down"):
+        list(waiting)
     time.sleep(0.2)
     assert not any(alive(pid) for pid in served.children)
 
@@ -130,9 +136,13 @@ def make_prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(folder):
+def engine(folder):
+    return stemma.Engine(folder, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
     """The in-process Engine's token ids and streamed text for each prompt."""
-    engine = stemma.Engine(folder, **ENGINE)
     prompts, params = make_prompts()
     out = []
     for prompt, p in zip(prompts, params):
@@ -169,9 +179,14 @@ async def abort_midway(client, prompt):
 
 
 async def start_doomed_clients(address, prompts):
+    """Client processes, each streaming a long request, to be killed."""
     procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-c", KILLED_CLIENT, address, KEY, ",".join(map(str, p)),
-        stdout=asyncio.subprocess.PIPE) for p in prompts]
+        sys.executable, "-c", DOOMED_CLIENT, address, KEY, ",".join(map(str, p)),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for p in prompts]
+    for proc in procs:
+        assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"ready\n"
+    for proc in procs:  # all start streaming at once
+        proc.stdin.write(b"go\n")
     for proc in procs:
         assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"streaming\n"
     return procs
@@ -207,7 +222,7 @@ def test_concurrent_streams_match_the_engine(server, reference):
         assert stream.output.finish_reason == "abort"
         assert 3 <= len(stream.output.token_ids) < LONG["max_new_tokens"]
     assert stats["pool_whole"] and stats["running"] == 0 and stats["queue"] == 0
-    # The killed clients' requests were aborted, not run to their 1900 tokens.
+    # The killed clients' requests were aborted, not run to their full length.
     finished = sum(len(s.output.token_ids) for s, _ in results) + sum(len(s.output.token_ids) for s in aborted)
     by_doomed = stats["generated_tokens"] - before["generated_tokens"] - finished
     assert by_doomed < 8 * LONG["max_new_tokens"] // 4
@@ -300,27 +315,38 @@ def test_killing_the_engine_fails_waiting_clients_and_serve(folder):
     assert not any(alive(pid) for pid in served.children)
 
 
-def test_runtime_starts_serves_cancels_and_stops(folder, reference):
+def test_runtime_starts_serves_cancels_and_stops(folder, engine, reference):
     prompts, params = make_prompts()
     with stemma.Runtime(folder, **ENGINE) as rt:
         assert rt.address.startswith("ipc://") and rt.running
         pids = [p for p in children(os.getpid()) if "stemma.runtime" in cmdline(p)]
         assert len(pids) == 2
         assert rt.client.generate(prompts[3], params[3]).token_ids == reference[3][0]
+        scored = dict(GREEDY, logprobs=True, top_logprobs=2, logprob_start=0)
+        served, local = rt.client.generate([5, 6, 7], scored), engine.generate([5, 6, 7], scored)
+        assert served.token_ids == local.token_ids and served.top_logprobs[0][0][0] == local.token_ids[0]
+        for a, b in ((served.logprobs, local.logprobs), (served.prompt_logprobs[1:], local.prompt_logprobs[1:])):
+            assert a == pytest.approx(b, abs=1e-4)
+        sampled = dict(temperature=1.0, seed=3, n=2, max_new_tokens=8)  # n > 1: one output per sequence
+        outs = rt.client.generate("ka lo mi", sampled, rid="pair")
+        assert [o.rid for o in outs] == ["pair-0", "pair-1"]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in engine.generate("ka lo mi", sampled)]
+        before = rt.client.info()["stats"]["generated_tokens"]
         stream = rt.client.stream([7, 8, 9], LONG)
         next(iter(stream))
         stream.close()  # the sync client cancels
 
         async def cancel():
             task = asyncio.ensure_future(rt.client.agenerate([7, 8, 10], LONG))
-            await asyncio.sleep(0.3)
-            task.cancel()
+            while (await rt.client.ainfo())["stats"]["running"] == 0:
+                await asyncio.sleep(0.01)
+            task.cancel()  # the async client cancels
             with pytest.raises(asyncio.CancelledError):
                 await task
             return await wait_idle(rt.client, timeout=5)
 
         stats = asyncio.run(cancel())
         assert stats["pool_whole"]
-        assert stats["generated_tokens"] < LONG["max_new_tokens"]
+        assert stats["generated_tokens"] - before < LONG["max_new_tokens"] // 2
     assert not rt.running
     assert not any(alive(pid) for pid in pids)

@@ -9,9 +9,9 @@ import zmq
 import zmq.asyncio
 
 from stemma.runtime import protocol as P
-from stemma.runtime.client_base import (GenerateState, RequestTimeout, ServerError, expect, frames,
-                                        generate_request, info_dict, lost, new_rid, open_socket,
-                                        read_reply)
+from stemma.runtime.client_base import (CONNECTION_LOST, GenerateState, RequestTimeout, ServerError,
+                                        expect, frames, generate_request, info_dict, lost, new_rid,
+                                        open_socket, read_reply)
 from stemma.runtime.outputs import RequestOutput
 
 
@@ -24,12 +24,27 @@ class AsyncClient:
         ctx = zmq.asyncio.Context.shadow(zmq.Context.instance().underlying)
         self._sock, self._monitor = open_socket(ctx, address)
         self._queues: dict[str, asyncio.Queue] = {}
-        self._tasks = [self._loop.create_task(self._read()), self._loop.create_task(self._watch())]
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._tasks = [self._loop.create_task(self._read())]
 
-    # ---- the reader tasks ----
+    # ---- the reader task ----
     async def _read(self) -> None:
         while True:
-            raw = await self._sock.recv_multipart()
+            events = dict(await self._poller.poll())
+            self._read_all()
+            if self._monitor in events:
+                await self._monitor.recv_multipart()  # the only event subscribed to is DISCONNECTED
+                self._read_all()  # what the server sent before closing (say, why) arrived first
+                self._broadcast(lost(self.address))
+
+    def _read_all(self) -> None:
+        while True:
+            try:  # a non-blocking receive on an asyncio socket is a future that is already done
+                raw = self._sock.recv_multipart(zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
             try:
                 msg = read_reply(raw)
             except P.ProtocolError as exc:
@@ -39,11 +54,6 @@ class AsyncClient:
                 self._broadcast(msg)
             elif msg.rid in self._queues:
                 self._queues[msg.rid].put_nowait(msg)
-
-    async def _watch(self) -> None:
-        while True:
-            await self._monitor.recv_multipart()  # the only event subscribed to is DISCONNECTED
-            self._broadcast(lost(self.address))
 
     def _broadcast(self, msg: P.Message) -> None:
         for queue in self._queues.values():
@@ -124,7 +134,7 @@ class AsyncClient:
         except RequestTimeout:
             return False
         except ServerError as exc:
-            if exc.code in ("connection_lost", P.ENGINE_DEAD, P.SHUTTING_DOWN):
+            if exc.code in (CONNECTION_LOST, P.ENGINE_DEAD, P.SHUTTING_DOWN):
                 return False
             raise
 

@@ -22,9 +22,9 @@ from typing import Any, Sequence
 import zmq
 
 from stemma.runtime import protocol as P
-from stemma.runtime.client_base import (GenerateState, RequestTimeout, ServerError, expect, frames,
-                                        generate_request, info_dict, lost, new_rid, open_socket,
-                                        read_reply)
+from stemma.runtime.client_base import (CONNECTION_LOST, GenerateState, RequestTimeout, ServerError,
+                                        expect, frames, generate_request, info_dict, lost, new_rid,
+                                        open_socket, read_reply)
 from stemma.runtime.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ Params = SamplingParams | dict | None
 
 class Client:
     def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
-        """`timeout`: the default number of seconds to wait for each message of a reply (None: no limit)."""
+        """`timeout`: seconds to wait for each message of a reply, by default (None: no limit)."""
         self.address = address
         self.timeout = timeout
         self._key = api_key.encode() if api_key else b""
@@ -73,19 +73,22 @@ class Client:
         """Waits up to `timeout_s` for traffic, then files every reply under its request."""
         ms = None if timeout_s is None else max(int(timeout_s * 1000), 0)
         events = dict(self._poller.poll(ms))
+        self._read_all()
         if self._monitor in events:
             self._monitor.recv_multipart()  # the only event subscribed to is DISCONNECTED
+            self._read_all()  # what the server sent before closing (say, why) arrived first
             self._broadcast(lost(self.address))
-        if self._sock in events:
-            while True:
-                try:
-                    msg = read_reply(self._sock.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(msg, P.ErrorMsg) and not msg.rid:
-                    self._broadcast(msg)  # a frame without a readable id failed: fail them all
-                elif msg.rid in self._inbox:
-                    self._inbox[msg.rid].append(msg)
+
+    def _read_all(self) -> None:
+        while True:
+            try:
+                msg = read_reply(self._sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if isinstance(msg, P.ErrorMsg) and not msg.rid:
+                self._broadcast(msg)  # a frame without a readable id failed: fail them all
+            elif msg.rid in self._inbox:
+                self._inbox[msg.rid].append(msg)
 
     def _broadcast(self, msg: P.Message) -> None:
         for queue in self._inbox.values():
@@ -172,7 +175,7 @@ class Client:
         except RequestTimeout:
             return False
         except ServerError as exc:
-            if exc.code in ("connection_lost", P.ENGINE_DEAD, P.SHUTTING_DOWN):
+            if exc.code in (CONNECTION_LOST, P.ENGINE_DEAD, P.SHUTTING_DOWN):
                 return False
             raise
 
@@ -181,10 +184,13 @@ class Client:
         from stemma.runtime.async_client import AsyncClient
         loop = asyncio.get_running_loop()
         if loop not in self._async:
+            for old in [lp for lp in self._async if lp.is_closed()]:  # asyncio.run() came and went
+                self._async.pop(old).close()
             self._async[loop] = AsyncClient(self.address, self._key, self.timeout)
         return self._async[loop]
 
-    async def agenerate(self, prompt: Prompt, params: Params = None, **kw) -> RequestOutput | list[RequestOutput]:
+    async def agenerate(self, prompt: Prompt, params: Params = None,
+                        **kw) -> RequestOutput | list[RequestOutput]:
         return await self._aclient().generate(prompt, params, **kw)
 
     def astream(self, prompt: Prompt, params: Params = None, **kw):
@@ -211,7 +217,7 @@ class Client:
         if self._sock is not None:
             self._monitor.close(linger=0)
             self._sock.close(linger=100)  # lets the aborts out
-            self._sock = None
+            self._sock, self._monitor, self._poller = None, None, zmq.Poller()
         for aclient in self._async.values():
             aclient.close()
         self._async.clear()

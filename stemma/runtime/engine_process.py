@@ -1,6 +1,6 @@
 """The engine process: one `Engine` fed by the gateway over ZeroMQ, answering in token ids only.
 
-    gateway ── PUSH requests ──▶ PULL ─▶ EngineLoop ─▶ engine.step() ─▶ PUSH outputs ──▶ gateway
+    gateway ── PUSH requests ──▶ PULL ─▶ EngineLoop ─▶ PUSH outputs ──▶ gateway
 
 The gateway binds both sockets and the engine connects. While requests run, the loop takes in
 whatever has arrived without waiting and steps; when idle it blocks on the socket (with a timeout,
@@ -139,9 +139,11 @@ class EngineLoop:
             except zmq.Again:
                 return
             try:
-                self.handle(P.decode(frame))
+                msg = P.decode(frame, max_bytes=1 << 62)
             except P.ProtocolError as exc:  # the gateway sent something broken: say so, go on
                 self.outbox.append(P.ErrorMsg(rid=exc.rid, code=P.BAD_REQUEST, message=str(exc)))
+                continue
+            self.handle(msg)
 
     def step(self) -> bool:
         """One engine step; False when it ran no forward (nothing to do, or a batch window is open)."""

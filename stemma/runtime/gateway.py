@@ -21,6 +21,7 @@ import hmac
 import json
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -117,7 +118,7 @@ class Gateway:
             if self.from_engine in events:
                 self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
             if self.router in events:
-                self._drain(self.router, self.on_client)
+                self._drain(self.router, self.on_client_guarded)
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         for _ in range(MAX_BURST):
@@ -148,6 +149,14 @@ class Gateway:
             self.error(pending.peer, pending.rid, code, message)
 
     # ---- from clients ----
+    def on_client_guarded(self, frames: list[zmq.Frame]) -> None:
+        """on_client, but a bug met while serving one client fails only that message."""
+        try:
+            self.on_client(frames)
+        except Exception as exc:
+            traceback.print_exc()
+            self.error(frames[0].bytes, "", P.INTERNAL, f"{type(exc).__name__}: {exc}")
+
     def on_client(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
         if len(frames) != 3:

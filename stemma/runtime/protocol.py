@@ -2,7 +2,7 @@
 
     client ── GenerateReq / Abort / FlushCache / GetInfo / Health ──▶ gateway ──▶ engine
     client ◀─ TokenChunk / Finished / ErrorMsg / FlushDone / Info / HealthOk ── gateway ◀── engine
-                                           gateway ◀── EngineReady, Batch(TokenChunk | Finished | ErrorMsg)
+    gateway ◀── EngineReady, Batch(TokenChunk | Finished | ErrorMsg) ── engine
 
 A frame is one msgpack map: {"type": tag, "version": PROTOCOL_VERSION, <fields>}. `decode`
 checks the size, the msgpack itself, the tag, the version and every field's type, and raises
@@ -33,6 +33,7 @@ UNAUTHORIZED = "unauthorized"      # missing or wrong API key
 ENGINE_DEAD = "engine_dead"        # the engine process died; the server is going down
 SHUTTING_DOWN = "shutting_down"    # the server is stopping
 OVERLOADED = "overloaded"          # the engine's queue is full; retry later
+INTERNAL = "internal"              # a bug in the server (its log has the traceback)
 
 
 class ProtocolError(ValueError):
