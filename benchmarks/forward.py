@@ -44,11 +44,11 @@ def hf_decode_step(model, batch: int, steps: int) -> float:
     ids = torch.randint(10, 20000, (batch, PROMPT_LEN), generator=g)
     cache = DynamicCache()
     with torch.inference_mode():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
 
         def step():
-            o = model(state["next"], past_key_values=cache, use_cache=True)
+            o = model(state["next"], past_key_values=cache, use_cache=True, logits_to_keep=1)
             state["next"] = o.logits[:, -1].argmax(-1, keepdim=True)
         return timed(step, steps)
 
@@ -56,7 +56,7 @@ def hf_decode_step(model, batch: int, steps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)

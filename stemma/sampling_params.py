@@ -3,10 +3,12 @@
 Every layer (frontend, wire protocol, engine, sampler) passes a whole `SamplingParams`, never its
 fields one by one. It is torch-free so that `import stemma` stays light. The fields are checked
 once, in `__post_init__`; every error is a ValueError whose message starts with the field's name.
-Later constrained decoding adds `regex` / `json_schema` / `grammar` fields here.
+`regex` / `json_schema` / `grammar` constrain the output (at most one per request). Here they are
+only type-checked; stemma.runtime.constrained.spec compiles them when the engine takes the request.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
@@ -63,6 +65,29 @@ def _normalize_token_ids(name: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _check_text(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+
+
+def _normalize_schema(value: Any) -> str | None:
+    """A JSON schema (dict or JSON text) as compact JSON text; key order is kept (it orders the
+    generated properties)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"json_schema must be a JSON object (a dict or its JSON text), got {value!r}")
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json_schema must hold JSON values only: {exc}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -84,6 +109,10 @@ class SamplingParams:
     logprob_start: int | None = None  # absolute prompt position from which prompt logprobs
                                       # are returned; None returns none
     skip_special_tokens: bool = True
+    regex: str | None = None         # the output must fullmatch this regex
+    json_schema: str | dict | None = None  # the output must be JSON valid under this schema;
+                                           # normalized to compact JSON text
+    grammar: str | None = None       # the output must parse under this Lark-syntax grammar
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 0)
@@ -114,11 +143,22 @@ class SamplingParams:
         if self.logprob_start is not None:
             _check_int("logprob_start", self.logprob_start, 0)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_text("regex", self.regex)
+        object.__setattr__(self, "json_schema", _normalize_schema(self.json_schema))
+        _check_text("grammar", self.grammar)
+        given = [name for name in ("regex", "json_schema", "grammar") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} cannot be combined with {given[0]}: give at most one of "
+                             "regex, json_schema and grammar")
 
     @property
     def is_greedy(self) -> bool:
         """True when sampling is argmax: temperature 0, or top_k 1."""
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.regex is not None or self.json_schema is not None or self.grammar is not None
 
     @property
     def has_penalties(self) -> bool:

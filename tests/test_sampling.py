@@ -36,6 +36,10 @@ BAD_VALUES = [
     ("top_logprobs", -1),
     ("logprob_start", -1), ("logprob_start", 0.5),
     ("skip_special_tokens", None),
+    ("regex", ""), ("regex", 5),
+    ("json_schema", "{not json"), ("json_schema", "[1]"), ("json_schema", 3),
+    ("json_schema", {"x": float("nan")}),
+    ("grammar", ""), ("grammar", b"start: x"),
 ]
 
 

@@ -182,6 +182,8 @@ class Engine:
             "latency": end - req.arrival,
             "retractions": req.retractions,
         }
+        if req.error is not None:  # finish_reason "error": why (a constraint that failed to build)
+            meta["error"] = req.error
         return RequestOutput(
             rid=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
             logprobs=list(req.output_logprobs) if p.logprobs else None,

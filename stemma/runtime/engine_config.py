@@ -26,12 +26,15 @@ class EngineConfig:
     kv_reserve_ratio: float = 0.3         # share of running decodes' remaining tokens kept free
     lpm_fallback_queue: int = 128         # lpm orders as fcfs past this many waiting requests
     random_seed: int | None = None        # seeds the RNG of unseeded sampled requests
+    enable_jump_forward: bool = True      # constrained decoding appends forced text unsampled
+    constraint_cache_size: int = 64       # outlines-core Indexes kept (one per regex/JSON schema)
 
     def __post_init__(self):
         def positive(name):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_pool_tokens", "max_running_requests", "max_prefill_tokens", "lpm_fallback_queue"):
+        for name in ("kv_pool_tokens", "max_running_requests", "max_prefill_tokens", "lpm_fallback_queue",
+                     "constraint_cache_size"):
             positive(name)
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(POLICIES)}, got {self.schedule_policy!r}")

@@ -45,6 +45,7 @@ class Request:
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
     stop_tracker: Any = None         # StopTextTracker + detokenizer when params.stop is set
+    constraint: Any = None           # the guide of a regex/json_schema/grammar request, once built
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

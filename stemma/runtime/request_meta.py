@@ -9,7 +9,7 @@ from stemma.runtime.request import Request
 
 def request_meta(req: Request) -> dict[str, Any]:
     end = req.finish_time or time.perf_counter()
-    return {
+    meta = {
         "prompt_tokens": len(req.input_ids),
         "cached_tokens": req.cached_tokens,
         "completion_tokens": len(req.output_ids),
@@ -17,3 +17,6 @@ def request_meta(req: Request) -> dict[str, Any]:
         "latency": end - req.arrival,
         "retractions": req.retractions,
     }
+    if req.error is not None:  # finish_reason "error": why (a constraint that failed to build)
+        meta["error"] = req.error
+    return meta

@@ -11,17 +11,24 @@
 When the pool runs dry, the running request with the least progress is retracted: its computed
 KV goes to the radix tree (so its prefix is likely still cached) and it waits to be recomputed.
 Nothing is dropped.
+
+Constrained requests (regex / json_schema / grammar) first wait in the grammar queue, outside the
+batch, while their Index builds on a background thread; the batch never waits for them. Once in
+the batch, only their rows are masked, and jump-forward may append forced tokens after a sample,
+which the next step extends like a chunk of prefill (see stemma.runtime.constrained).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from stemma.radix.cache import RadixCache
 from stemma.runtime import policy
+from stemma.runtime.constrained.constrainer import Constrainer
 from stemma.runtime.engine_config import EngineConfig
 from stemma.runtime.model_runner import ModelRunner
 from stemma.runtime.request import ReqState, Request
@@ -55,20 +62,50 @@ class Scheduler:
         if config.random_seed is not None:
             generator = torch.Generator(device=runner.device).manual_seed(config.random_seed)
         self.sampler = Sampler(generator)
+        self.constrainer = Constrainer(tokenizer, runner.spec.vocab_size, eos_token_ids,
+                                       config.enable_jump_forward, config.constraint_cache_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.grammar_queue: list[tuple[Request, Future]] = []  # constrained, guide being built
         self.counters = Counters()
         self.max_context = runner.max_context
 
     # ---- queue ----
     def add(self, req: Request) -> None:
+        """Queues req; a ValueError (too long, or a bad regex/json_schema/grammar) queues nothing."""
         if len(req.tokens) >= self.max_context:
             raise ValueError(f"prompt of {len(req.tokens)} tokens does not fit the context of "
                              f"{self.max_context} tokens")
+        spec = self.constrainer.check(req.params) if req.params.is_constrained else None
         req.state = ReqState.WAITING
-        self.waiting.append(req)
+        if spec is None:
+            self.waiting.append(req)
+        else:
+            self.grammar_queue.append((req, self.constrainer.start(spec)))
+
+    def _take_built(self) -> list[Request]:
+        """Moves constrained requests whose guide is built to the waiting queue; finishes (with
+        reason "error" and req.error) those whose build failed. Returns the finished ones."""
+        failed, pending = [], []
+        for req, future in self.grammar_queue:
+            if not future.done():
+                pending.append((req, future))
+                continue
+            try:
+                req.constraint = future.result()()
+            except Exception as exc:  # a build failure ends this request only; it is reported
+                req.error = f"{type(exc).__name__}: {exc}"
+                failed.append(self._finish(req, "error"))
+                continue
+            self.waiting.append(req)
+        self.grammar_queue = pending
+        return failed
 
     def abort(self, rid: str) -> Request | None:
+        for i, (req, _) in enumerate(self.grammar_queue):
+            if req.rid == rid:
+                del self.grammar_queue[i]
+                return self._finish(req, "abort")
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -80,22 +117,23 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.grammar_queue)
 
     # ---- one step ----
     def step(self) -> list[Request]:
         """Runs one forward if there is work; returns the requests that got output or finished."""
         start = time.perf_counter()
+        failed = self._take_built() if self.grammar_queue else []
         batch = self._schedule()
         if not batch:
-            return []
+            return failed
         reqs, counts = zip(*batch)
         fb = self._build(reqs, counts)
         logits = self.runner.forward(fb)
         touched = self._process(list(reqs), list(counts), fb, logits)
         self.counters.steps += 1
         self.counters.busy_time += time.perf_counter() - start
-        return touched
+        return failed + touched
 
     # ---- scheduling ----
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -323,6 +361,10 @@ class Scheduler:
             req.prompt_logprobs_done = True
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        # constrained rows only: one bitmask, applied in place; unconstrained rows are not touched
+        guided = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        if guided:
+            self.constrainer.mask(logits, [reqs[i].constraint for i in guided], guided)
         batch = SamplingBatch.build(reqs, logits.shape[-1], logits.device, eos_token_ids=self.eos_token_ids)
         out = self.sampler.sample(logits, batch)
         tokens = out.token_ids.tolist()
@@ -330,18 +372,25 @@ class Scheduler:
         tops = out.top_logprobs
         now = time.perf_counter()
         newly_prompt_done = []
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+        for i, (req, sampled) in enumerate(zip(reqs, tokens)):
             first = not req.output_ids
-            req.append(tok)
-            self.counters.generated_tokens += 1
+            # a constrained request may end here, or append forced tokens (jump-forward) in place of
+            # the sampled one; a request asking for logprobs is never jump-forwarded
+            news, reason = ([sampled], None) if req.constraint is None else self.constrainer.advance(req, sampled)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if lps is not None and req.params.logprobs:
-                req.output_logprobs.append(lps[i])
-            if tops is not None and req.params.top_logprobs:
-                k = req.params.top_logprobs
-                req.output_top_logprobs.append(list(zip(tops.ids[i, :k].tolist(), tops.values[i, :k].tolist())))
-            reason = check_finish(req, tok, self.eos_token_ids, self.max_context, self.tokenizer)
+            for j, tok in enumerate(news):
+                req.append(tok)
+                self.counters.generated_tokens += 1
+                if lps is not None and req.params.logprobs:
+                    req.output_logprobs.append(lps[i])
+                if tops is not None and req.params.top_logprobs:
+                    k = req.params.top_logprobs
+                    req.output_top_logprobs.append(list(zip(tops.ids[i, :k].tolist(), tops.values[i, :k].tolist())))
+                stop = check_finish(req, tok, self.eos_token_ids, self.max_context, self.tokenizer)
+                if stop is not None:  # the constraint's own end wins on its last token
+                    reason = reason if reason is not None and j == len(news) - 1 else stop
+                    break
             if reason is not None:
                 self._finish(req, reason)
             elif first:
@@ -361,6 +410,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> Request:
         self._release(req)
+        req.constraint = None
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()

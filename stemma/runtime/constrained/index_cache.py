@@ -1,0 +1,56 @@
+"""outlines-core Indexes, cached by (regex, vocabulary fingerprint), least recently used first out.
+
+An Index over a 262k-token vocabulary takes about a second per regex to build (a JSON schema's
+two), so it is built once per (pattern, tokenizer) and shared by every request that asks for it.
+Builds run on the constrainer's worker thread (outlines-core releases the GIL while building);
+lookups come from the scheduler thread, hence the lock.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+
+class IndexCache:
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._vocabularies: dict[str, Any] = {}  # fingerprint -> outlines-core Vocabulary
+        self._lock = threading.Lock()
+        self.builds = 0
+
+    def lookup(self, regex: str, fingerprint: str) -> Any | None:
+        """The cached Index, or None."""
+        with self._lock:
+            index = self._entries.get((regex, fingerprint))
+            if index is not None:
+                self._entries.move_to_end((regex, fingerprint))
+            return index
+
+    def get(self, regex: str, vocab) -> Any:
+        """The Index of `regex` over `vocab` (a TokenVocab), built here when not cached."""
+        index = self.lookup(regex, vocab.fingerprint)
+        if index is not None:
+            return index
+        from outlines_core import Index
+        index = Index(regex, self._vocabulary(vocab))
+        with self._lock:
+            self.builds += 1
+            self._entries[(regex, vocab.fingerprint)] = index
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return index
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _vocabulary(self, vocab) -> Any:
+        """outlines-core's Vocabulary of a TokenVocab (its text tokens and EOS), made once."""
+        from outlines_core import Vocabulary
+        made = self._vocabularies.get(vocab.fingerprint)
+        if made is None:
+            made = self._vocabularies[vocab.fingerprint] = Vocabulary(vocab.eos_token_id, vocab.text_map())
+        return made
