@@ -7,7 +7,6 @@ slot shows up as a mismatch between its row and its own tokens.
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 

@@ -16,6 +16,7 @@ from stemma.runtime.model_runner import ModelRunner, RunnerConfig
 from stemma.runtime.models.loader import load_model
 from stemma.runtime.outputs import RequestOutput
 from stemma.runtime.request import Request
+from stemma.runtime.request_meta import request_meta
 from stemma.runtime.scheduler import Scheduler
 from stemma.runtime.seeded_noise import sibling_seed
 from stemma.sampling_params import SamplingParams
@@ -173,23 +174,12 @@ class Engine:
         elif self.tokenizer is not None:  # decoded as the stream decodes it, after the prompt
             stream = TextStream(self.tokenizer, (), p.skip_special_tokens, req.input_ids)
             text = stream.push(req.output_ids) + stream.finish()
-        end = req.finish_time or time.perf_counter()
-        meta = {
-            "prompt_tokens": len(req.input_ids),
-            "cached_tokens": req.cached_tokens,
-            "completion_tokens": len(req.output_ids),
-            "ttft": (req.first_token_time - req.arrival) if req.first_token_time else None,
-            "latency": end - req.arrival,
-            "retractions": req.retractions,
-        }
-        if req.error is not None:  # finish_reason "error": why (a constraint that failed to build)
-            meta["error"] = req.error
         return RequestOutput(
             rid=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
             logprobs=list(req.output_logprobs) if p.logprobs else None,
             top_logprobs=list(req.output_top_logprobs) if p.top_logprobs else None,
             prompt_logprobs=list(req.prompt_logprobs) if p.logprob_start is not None else None,
-            meta=meta)
+            meta=request_meta(req))
 
     # ---- cache and stats ----
     def flush_cache(self) -> bool:

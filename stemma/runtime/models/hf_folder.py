@@ -37,7 +37,3 @@ def read_config(folder: Path):
         raise FileNotFoundError(f"{folder}: config.json not found")
     return AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
-
-def read_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from stemma.runtime.models.spec import ModelSpec, spec_from_config
+from stemma.runtime.models.tokenizer import load_tokenizer
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ def read_checkpoint(path: Path, dtype: torch.dtype):
         config = hf_folder.read_config(path)
         spec_from_config(config)  # reject unsupported architectures before reading weights
         tensors = hf_folder.read_tensors(path, dtype)
-        has_tok = any((path / f).exists() for f in _TOKENIZER_FILES)
-        return config, hf_folder.read_tokenizer(path) if has_tok else None, tensors
+        return config, load_tokenizer(str(path)), tensors
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     raise ValueError(f"{str(path)!r} is neither a .gguf file nor a Hugging Face model folder")
