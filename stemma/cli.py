@@ -45,6 +45,90 @@ def cmd_serve(ns) -> int:
                  ServeConfig(**collect(ns, ServeConfig)))
 
 
+_PROGRAM_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
+_NOT_PROGRAM_DEFAULTS = ("n", "logprob_start", "logprobs", "top_logprobs")  # per call, not per program
+
+
+def _add_backend_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("backend")
+    group.add_argument("--connect", metavar="ADDRESS",
+                       help="run on the stemma server at ADDRESS (tcp://host:port) instead")
+    group.add_argument("--backend", choices=("embedded", "engine", "mock"), default="embedded",
+                       help="embedded: a private runtime (engine and gateway processes, the "
+                            "default); engine: the engine in this process; mock: a deterministic "
+                            "fake model, for trying the language")
+    add_dataclass_args(parser, SamplingParams, skip=_NOT_PROGRAM_DEFAULTS, shown_defaults=_PROGRAM_DEFAULTS)
+    add_dataclass_args(parser, EngineConfig)
+
+
+def _backend(ns):
+    if ns.connect:
+        from stemma.lang.backends.remote import RemoteBackend
+        return RemoteBackend(ns.connect)
+    if ns.backend == "mock":
+        from stemma.lang.backends.mock import MockBackend
+        return MockBackend()
+    if ns.backend == "engine":
+        from stemma.lang.backends.engine import EngineBackend
+        return EngineBackend(**collect(ns, EngineConfig))
+    from stemma.lang.backends.remote import EmbeddedBackend
+    return EmbeddedBackend(**collect(ns, EngineConfig))
+
+
+def _sampling(ns) -> dict:
+    return {**_PROGRAM_DEFAULTS, **collect(ns, SamplingParams, skip=_NOT_PROGRAM_DEFAULTS)}
+
+
+def _parse_vars(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, eq, value = item.partition("=")
+        if not eq or not name.isidentifier():
+            raise ValueError(f"--var takes name=value, got {item!r}")
+        out[name] = value
+    return out
+
+
+def cmd_run(ns) -> int:
+    from stemma.lang.errors import ProgramError
+    from stemma.lang.stm import load
+    try:
+        program = load(ns.program)
+        variables = _parse_vars(ns.var)
+        program.bind((), variables)
+    except (ProgramError, TypeError) as exc:
+        print(f"stemma: error: {exc}", file=sys.stderr)
+        return 2
+    backend = _backend(ns)
+    try:
+        state = program.run(backend=backend, sampling=_sampling(ns), stream=True, **variables)
+        last = "\n"
+        for delta in state.text_iter():
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+            last = delta
+        if not last.endswith("\n"):
+            sys.stdout.write("\n")
+        for name, value in state.vars().items():
+            print(f"[{name}] {value!r}", file=sys.stderr)
+        print(f"[{state.usage()}]", file=sys.stderr)
+    except (ProgramError, ConnectionError) as exc:
+        print(f"stemma: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        backend.close()
+    return 0
+
+
+def cmd_repl(ns) -> int:
+    from stemma.lang.repl import Repl, run_repl
+    backend = _backend(ns)
+    try:
+        return run_repl(Repl(backend, _sampling(ns)), ns.history)
+    finally:
+        backend.close()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stemma", description="stemma: an LLM program runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, ServeConfig)
     add_dataclass_args(srv, EngineConfig)
     srv.set_defaults(func=cmd_serve)
+    run = sub.add_parser("run", help="run a text program (.stm)",
+                         description="Runs a text program and streams its text; the variables it "
+                                     "generated follow on stderr. Sampling flags are the defaults "
+                                     "of every gen in it.")
+    run.add_argument("program", help="a .stm file")
+    run.add_argument("--var", action="append", metavar="NAME=VALUE",
+                     help="a variable of the program (repeatable)")
+    _add_backend_args(run)
+    run.set_defaults(func=cmd_run)
+    repl = sub.add_parser("repl", help="an interactive prompt for plain prompts and text programs")
+    repl.add_argument("--history", default=None,
+                      help="history file (default: $STEMMA_HISTORY or ~/.stemma_history; '' for none)")
+    _add_backend_args(repl)
+    repl.set_defaults(func=cmd_repl)
     return parser
 
 

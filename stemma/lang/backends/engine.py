@@ -1,0 +1,122 @@
+"""A backend over an in-process `stemma.Engine`, driven from the event loop.
+
+Requests are submitted to the engine as they come; one driver task per event loop steps the
+engine while any request is pending, and yields to the loop between steps so that programs can
+submit their next calls. Everything programs submit in one turn of the loop lands in the same
+engine step: that is how a select's choices, or a batch's programs, are batched.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from stemma.lang.backends.base import Backend, OnText
+from stemma.lang.codec import HFCodec, TokenCodec
+from stemma.runtime.outputs import RequestOutput
+from stemma.sampling_params import SamplingParams
+
+
+@dataclass
+class _Waiter:
+    req: Any                # the engine's Request
+    future: asyncio.Future
+    on_text: OnText | None = None
+    stream: Any = None      # a TextStream when on_text is set
+    sent: int = 0
+
+
+class EngineBackend(Backend):
+    def __init__(self, engine: Any = None, **engine_config: Any):
+        """`engine`: a stemma.Engine; None starts one from `engine_config` (EngineConfig fields)."""
+        if engine is None:
+            from stemma.runtime.engine import Engine
+            engine = Engine(**engine_config)
+        elif engine_config:
+            raise ValueError("pass an engine or engine options, not both")
+        self.engine = engine
+        self._codec = HFCodec(engine.tokenizer)
+        self._waiting: dict[str, _Waiter] = {}   # request id -> its waiter
+        self._driver: asyncio.Task | None = None
+
+    @property
+    def codec(self) -> TokenCodec:
+        return self._codec
+
+    def _submit(self, ids: list[int], params: SamplingParams, on_text: OnText | None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        if self._driver is not None and self._driver.get_loop() is not loop:
+            self._abort(list(self._waiting.values()))  # left over from a loop that has gone away
+        (req,) = self.engine.submit(ids, params)
+        waiter = _Waiter(req, loop.create_future(), on_text)
+        if on_text is not None:
+            from stemma.runtime.detokenizer import TextStream
+            waiter.stream = TextStream(self.engine.tokenizer, params.stop, params.skip_special_tokens,
+                                       req.input_ids)
+        self._waiting[req.rid] = waiter
+        if self._driver is None or self._driver.done() or self._driver.get_loop() is not loop:
+            self._driver = loop.create_task(self._drive())
+        return waiter.future
+
+    def _abort(self, waiters: list[_Waiter]) -> None:
+        for waiter in waiters:
+            if self._waiting.pop(waiter.req.rid, None) is not None:
+                self.engine.abort(waiter.req.rid)
+
+    async def _drive(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(0)  # let programs submit what they have before the next step
+            try:
+                stepped = self.engine.step()
+            except Exception as exc:  # an engine failure fails every request waiting on it
+                for waiter in self._waiting.values():
+                    if not waiter.future.done():
+                        waiter.future.set_exception(exc)
+                self._waiting.clear()
+                return
+            for waiter in list(self._waiting.values()):
+                self._publish(waiter)
+            if not stepped:
+                await asyncio.sleep(0.0005)  # dynamic batching: the batch window is still open
+
+    def _publish(self, waiter: _Waiter) -> None:
+        req = waiter.req
+        if waiter.stream is not None and len(req.output_ids) > waiter.sent:
+            delta = waiter.stream.push(req.output_ids[waiter.sent:])
+            waiter.sent = len(req.output_ids)
+            if delta:
+                waiter.on_text(delta)
+        if not req.finished:
+            return
+        del self._waiting[req.rid]
+        if waiter.stream is not None:
+            tail = waiter.stream.finish()
+            if tail:
+                waiter.on_text(tail)
+        if not waiter.future.done():
+            waiter.future.set_result(self.engine.output(req))
+
+    async def _wait(self, futures: list[asyncio.Future]) -> list[RequestOutput]:
+        try:
+            return list(await asyncio.gather(*futures))
+        except BaseException:  # cancelled or failed: stop what is still running
+            self._abort([w for w in self._waiting.values() if w.future in futures])
+            raise
+
+    async def generate(self, ids: list[int], params: SamplingParams,
+                       on_text: OnText | None = None) -> RequestOutput:
+        (out,) = await self._wait([self._submit(ids, params, on_text)])
+        return out
+
+    async def generate_batch(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
+        futures = []
+        try:
+            for ids, params in requests:
+                futures.append(self._submit(ids, params, None))
+        except BaseException:  # a bad prompt: the ones submitted before it are withdrawn
+            self._abort([w for w in self._waiting.values() if w.future in futures])
+            raise
+        return await self._wait(futures)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.engine.stats()

@@ -1,0 +1,96 @@
+"""A backend over a stemma server, through its client (`stemma.connect`); the embedded default
+(`stemma.Runtime()`, started on first use) is one too.
+
+The program's token ids are made here, with the served model's own tokenizer, which is loaded
+from the model path the server reports (so the server must share this machine's files), unless
+one is passed in.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from stemma.lang.backends.base import Backend, OnText
+from stemma.lang.codec import HFCodec, TokenCodec
+from stemma.lang.errors import BackendUnreachable
+from stemma.runtime.client import Client, connect
+from stemma.runtime.client_base import CONNECTION_LOST, RequestTimeout, ServerError
+from stemma.runtime.outputs import RequestOutput
+from stemma.sampling_params import SamplingParams
+
+
+class RemoteBackend(Backend):
+    def __init__(self, client: Client | str, tokenizer: Any = None, connect_timeout: float = 30.0):
+        """`client`: a stemma.connect() client or an address; `tokenizer`: the served model's
+        tokenizer, when this machine cannot load it from the path the server reports."""
+        self.client = connect(client) if isinstance(client, str) else client
+        self.connect_timeout = connect_timeout
+        self._codec: TokenCodec | None = HFCodec(tokenizer) if tokenizer is not None else None
+
+    def _unreachable(self, why: str) -> BackendUnreachable:
+        return BackendUnreachable(f"the stemma server at {self.client.address} is unreachable: {why} "
+                                  f"(is `stemma serve` running there?)")
+
+    def _codec_from(self, info: dict[str, Any]) -> TokenCodec:
+        from stemma.runtime.models.tokenizer import load_tokenizer
+        try:
+            tokenizer = load_tokenizer(info["model"])
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load the tokenizer of {info['model']!r}, served at "
+                             f"{self.client.address}: {exc}; pass RemoteBackend(client, tokenizer=...)") from exc
+        return HFCodec(tokenizer)
+
+    @property
+    def codec(self) -> TokenCodec:
+        if self._codec is None:
+            try:
+                info = self.client.info(timeout=self.connect_timeout)
+            except RequestTimeout:
+                raise self._unreachable(f"no answer within {self.connect_timeout:g} s") from None
+            except ServerError as exc:
+                raise self._wrap(exc) from exc
+            self._codec = self._codec_from(info)
+        return self._codec
+
+    def _wrap(self, exc: ServerError) -> Exception:
+        return self._unreachable(exc.message) if exc.code == CONNECTION_LOST else exc
+
+    async def generate(self, ids: list[int], params: SamplingParams,
+                       on_text: OnText | None = None) -> RequestOutput:
+        try:
+            if on_text is None:
+                return await self.client.agenerate(ids, params)
+            stream = self.client.astream(ids, params)
+            async for delta in stream:
+                on_text(delta)
+            return stream.output
+        except ServerError as exc:
+            error = self._wrap(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self.client.ainfo(timeout=self.connect_timeout))["stats"]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class EmbeddedBackend(RemoteBackend):
+    """A private `stemma.Runtime` (engine and gateway processes) and a client of it."""
+
+    def __init__(self, model: str | None = None, **engine_config: Any):
+        from stemma.runtime.local_runtime import Runtime
+        self.runtime = Runtime(model, **engine_config)
+        super().__init__(self.runtime.client)
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_default() -> EmbeddedBackend:
+    """The process's embedded runtime on the default model, started on first use and stopped at
+    exit (Runtime registers that)."""
+    return EmbeddedBackend()

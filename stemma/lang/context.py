@@ -1,0 +1,48 @@
+"""Which backend a program runs on: the one passed to run, else the context's default, else the
+embedded runtime on the default model (started on first use)."""
+from __future__ import annotations
+
+import contextvars
+import sys
+from typing import Any
+
+from stemma.lang.backends.base import Backend
+
+_DEFAULT: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("stemma_backend", default=None)
+
+
+def as_backend(value: Any) -> Backend:
+    """A Backend for: a Backend, a client (stemma.connect), a stemma.Runtime, a stemma.Engine, or
+    a server address."""
+    if isinstance(value, Backend):
+        return value
+    from stemma.lang.backends.remote import RemoteBackend
+    from stemma.runtime.client import Client
+    if isinstance(value, (Client, str)):
+        return RemoteBackend(value)
+    runtime = sys.modules.get("stemma.runtime.local_runtime")
+    if runtime is not None and isinstance(value, runtime.Runtime):
+        return RemoteBackend(value.client)
+    engine = sys.modules.get("stemma.runtime.engine")
+    if engine is not None and isinstance(value, engine.Engine):
+        from stemma.lang.backends.engine import EngineBackend
+        return EngineBackend(value)
+    raise TypeError(f"a backend must be a stemma Backend, client, Runtime, Engine or address, "
+                    f"got {type(value).__name__}")
+
+
+def set_default_backend(value: Any) -> Backend:
+    """Makes `value` (see as_backend) the backend of programs run in this context from now on."""
+    backend = as_backend(value)
+    _DEFAULT.set(backend)
+    return backend
+
+
+def get_backend(value: Any = None) -> Backend:
+    if value is not None:
+        return as_backend(value)
+    backend = _DEFAULT.get()
+    if backend is None:
+        from stemma.lang.backends.remote import embedded_default
+        backend = embedded_default()
+    return backend

@@ -1,0 +1,392 @@
+"""The asyncio interpreter: one task per program state executes that state's nodes in order.
+
+    body (greenlet) ── s += node ──▶ StateExecutor.queue ──▶ task: execute node ──▶ backend
+                    ◀─ s["x"] waits ─┘ (await_only)
+
+`s += ...` only queues, so a body runs ahead of the model and a fork's branches all get their
+calls in flight at once; reading a variable waits for the nodes that write it. A state keeps the
+token ids of everything already sent (see codec.py): each call's prompt is those ids plus the text
+appended since, tokenized once. A fork first commits its parent's prompt to the cache (a request
+that generates nothing), then every branch starts from those ids.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from stemma.lang.backends.base import Backend
+from stemma.lang.errors import RoleError, UnknownVariable, VariableNotGenerated
+from stemma.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, sets_variable
+from stemma.lang.scoring import decide
+from stemma.lang.usage import CallRecord
+from stemma.sampling_params import SamplingParams
+
+_SCORE = dict(max_new_tokens=0)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    backend: Backend
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # SamplingParams fields for every gen
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a branch inherits from its parent at the fork."""
+    ids: tuple[int, ...]
+    text: str
+    vars: Mapping[str, Any]
+    metas: Mapping[str, Any]
+    messages: tuple[Mapping[str, str], ...]
+    role: str | None
+    role_start: int
+
+
+@dataclass(frozen=True, eq=False)
+class ForkPoint(Node):
+    """Internal: where a parent hands its prefix to its branches."""
+    future: asyncio.Future
+
+
+@dataclass(frozen=True, eq=False)
+class JoinPoint(Node):
+    """Internal: gathers the branches' variables into the parent."""
+    branches: tuple["StateExecutor", ...]
+    names: tuple[str, ...]
+
+
+class Pulse:
+    """Wakes every coroutine waiting for a state to change."""
+
+    def __init__(self):
+        self._waiters: list[asyncio.Future] = []
+
+    async def wait(self) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        try:
+            await future
+        finally:
+            if future in self._waiters:
+                self._waiters.remove(future)
+
+    def fire(self) -> None:
+        for future in self._waiters:
+            if not future.done():
+                future.set_result(None)
+        self._waiters.clear()
+
+
+class Run:
+    """The live states of one program run, on one event loop."""
+
+    def __init__(self, config: RunConfig, loop: asyncio.AbstractEventLoop):
+        self.config = config
+        self.loop = loop
+        self.executors: list[StateExecutor] = []
+
+    def root(self) -> "StateExecutor":
+        start = Snapshot(tuple(self.config.backend.codec.start_ids), "", {}, {}, (), None, 0)
+        return self.spawn(start)
+
+    def spawn(self, origin: Snapshot | asyncio.Future) -> "StateExecutor":
+        executor = StateExecutor(self, origin)
+        self.executors.append(executor)
+        return executor
+
+    async def settle(self) -> None:
+        """Waits until every state has executed all it was given; raises the first failure."""
+        while True:
+            pending = [e for e in self.executors if e.busy]
+            for executor in self.executors:
+                if executor.error is not None:
+                    raise executor.error
+            if not pending:
+                return
+            await pending[0].idle()
+
+    def close(self) -> None:
+        for executor in self.executors:
+            executor.close()
+
+
+class StateExecutor:
+    def __init__(self, run: Run, origin: Snapshot | asyncio.Future):
+        self.run = run
+        self.backend = run.config.backend
+        self.codec = self.backend.codec
+        self.ids: list[int] = []
+        self.pending = ""            # text appended since the last call, not yet tokenized
+        self.text = ""
+        self.vars: dict[str, Any] = {}
+        self.metas: dict[str, Any] = {}
+        self.own: list[str] = []     # variables this state wrote (not inherited at a fork)
+        self.messages: list[dict[str, str]] = []
+        self.role: str | None = None
+        self.role_start = 0
+        self.calls: list[CallRecord] = []
+        self.children: list[StateExecutor] = []
+        self.listeners: list[asyncio.Queue] = []
+        self.error: BaseException | None = None
+        self.busy = 1                # nodes queued or running, plus the wait for the origin
+        self.started = False         # the origin (a fork's snapshot) has been restored
+        self._expected: Counter[str] = Counter()  # variables that queued nodes will write
+        self._queue: deque[Node] = deque()
+        self._changed = Pulse()
+        self._has_work = asyncio.Event()
+        self._closed = False
+        self.task = run.loop.create_task(self._main(origin))
+
+    # ---- the body's side ----
+    def submit(self, node: Node) -> None:
+        if self.error is not None:
+            raise self.error
+        if self._closed:
+            raise RuntimeError("this program state has finished running; it cannot take more nodes")
+        name = sets_variable(node)
+        if name is not None:
+            self._expected[name] += 1
+        if isinstance(node, JoinPoint):
+            self._expected.update(node.names)
+        self._queue.append(node)
+        self.busy += 1
+        self._has_work.set()
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            if self.error is not None:
+                raise self.error
+            await self._changed.wait()
+
+    async def idle(self) -> None:
+        await self._until(lambda: self.busy == 0 or self.error is not None)
+        if self.error is not None:
+            raise self.error
+
+    async def get(self, name: str) -> Any:
+        await self._until(lambda: self.started and self._expected[name] == 0)
+        if self.error is not None:
+            raise self.error
+        if name not in self.vars:
+            raise VariableNotGenerated(name, list(self.vars))
+        return self.vars[name]
+
+    async def snapshot_text(self) -> str:
+        await self.idle()
+        return self.text
+
+    async def token_ids(self) -> list[int]:
+        await self.idle()
+        return self.flush()
+
+    # ---- the task ----
+    async def _main(self, origin: Snapshot | asyncio.Future) -> None:
+        try:
+            self._restore(await origin if isinstance(origin, asyncio.Future) else origin)
+            self.started = True
+            self._done_one()
+            while True:
+                while not self._queue:
+                    self._has_work.clear()
+                    await self._has_work.wait()
+                node = self._queue.popleft()
+                await self._execute(node)
+                name = sets_variable(node)
+                if name is not None:
+                    self._expected[name] -= 1
+                if isinstance(node, JoinPoint):
+                    self._expected.subtract(node.names)
+                self._done_one()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the state stops; whoever waits on it gets the error
+            self.error = exc
+            for node in self._queue:
+                if isinstance(node, ForkPoint) and not node.future.done():
+                    node.future.set_exception(exc)
+            self._changed.fire()
+            self._end_streams()
+
+    def _done_one(self) -> None:
+        self.busy -= 1
+        self._changed.fire()
+
+    def close(self) -> None:
+        self._closed = True
+        self.task.cancel()
+        self._end_streams()
+
+    # ---- streaming ----
+    def listen(self) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.listeners.append(queue)
+        return queue
+
+    def _emit(self, delta: str, generated: bool = False) -> None:
+        for queue in self.listeners:
+            queue.put_nowait((generated, delta))
+
+    def _emit_generated(self, delta: str) -> None:
+        self._emit(delta, generated=True)
+
+    def _end_streams(self) -> None:
+        for queue in self.listeners:
+            queue.put_nowait(None)
+        self.listeners.clear()
+
+    # ---- state ----
+    def _restore(self, snap: Snapshot) -> None:
+        self.ids = list(snap.ids)
+        self.text = snap.text
+        self.vars = dict(snap.vars)
+        self.metas = dict(snap.metas)
+        self.messages = [dict(m) for m in snap.messages]
+        self.role = snap.role
+        self.role_start = snap.role_start
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(tuple(self.flush()), self.text, dict(self.vars), dict(self.metas),
+                        tuple(dict(m) for m in self.messages), self.role, self.role_start)
+
+    def flush(self) -> list[int]:
+        """The ids of everything so far: the pending text is tokenized now, once."""
+        if self.pending:
+            self.ids.extend(self.codec.encode(self.pending))
+            self.pending = ""
+        return list(self.ids)
+
+    def _append_text(self, text: str) -> None:
+        self.pending += text
+        self.text += text
+        self._emit(text)
+
+    def _append_generated(self, text: str, ids: list[int], streamed: bool) -> None:
+        self.flush()
+        self.ids.extend(ids)
+        self.text += text
+        if not streamed:
+            self._emit(text, generated=True)
+
+    def _set(self, name: str | None, value: Any, meta: Any) -> None:
+        if name is not None:
+            self.vars[name] = value
+            self.metas[name] = meta
+            if name not in self.own:
+                self.own.append(name)
+
+    def _record(self, kind: str, name: str | None, meta: Mapping[str, Any]) -> None:
+        self.calls.append(CallRecord.of(kind, name, dict(meta)))
+
+    def _prompt(self, what: str) -> list[int]:
+        ids = self.flush()
+        if not ids:
+            raise ValueError(f"{what}: the program is empty, and this model has no BOS token to "
+                             f"start from; append some text first")
+        return ids
+
+    # ---- nodes ----
+    async def _execute(self, node: Node) -> None:
+        if isinstance(node, Text):
+            self._append_text(node.value)
+        elif isinstance(node, VarRef):
+            if node.name not in self.vars:
+                raise UnknownVariable(node.name, node.where, list(self.vars))
+            self._append_text(str(self.vars[node.name]))
+        elif isinstance(node, RoleBegin):
+            self._begin_role(node.role)
+        elif isinstance(node, RoleEnd):
+            self._end_role(node.role)
+        elif isinstance(node, Gen):
+            await self._gen(node)
+        elif isinstance(node, Select):
+            await self._select(node)
+        elif isinstance(node, ForkPoint):
+            await self._fork(node)
+        elif isinstance(node, JoinPoint):
+            await self._join(node)
+        else:
+            raise TypeError(f"the interpreter cannot execute {type(node).__name__}")
+
+    def _begin_role(self, role: str) -> None:
+        if self.role is not None:
+            raise RoleError(f"cannot open a {role} turn inside the open {self.role} turn; "
+                            f"close it first")
+        self._append_text(self.backend.chat_template.prefix(role))
+        self.role, self.role_start = role, len(self.text)
+
+    def _end_role(self, role: str) -> None:
+        if self.role != role:
+            raise RoleError(f"{role}_end closes no open {role} turn (open: {self.role or 'none'})")
+        self.messages.append({"role": role, "content": self.text[self.role_start:]})
+        self.role = None
+        self._append_text(self.backend.chat_template.suffix(role))
+
+    def _gen_params(self, node: Gen) -> SamplingParams:
+        params = SamplingParams.from_dict({**self.run.config.defaults, **node.overrides})
+        template = self.backend.chat_template
+        if self.role == "assistant" and (template.stop or template.stop_ids):
+            params = params.replace(stop=[*params.stop, *template.stop],
+                                    stop_token_ids=[*params.stop_token_ids, *template.stop_ids])
+        return params
+
+    async def _gen(self, node: Gen) -> None:
+        params = self._gen_params(node)
+        ids = self._prompt(f"gen {node.name!r}")
+        on_text = self._emit_generated if self.listeners else None
+        out = await self.backend.generate(ids, params, on_text)
+        trimmed = bool(params.stop) and out.finish_reason == "stop"
+        kept = self.codec.settle(out.token_ids, out.text, trimmed, params.stop_token_ids, ids)
+        self._append_generated(out.text, kept, streamed=on_text is not None)
+        self._set(node.name, out.text, out)
+        self._record("gen", node.name, out.meta)
+
+    async def _select(self, node: Select) -> None:
+        prefix = self._prompt(f"select {node.name!r}")
+        choice_ids = [self.codec.encode(c) for c in node.choices]
+        self._record("prefill", node.name, (await self.backend.prefill(prefix)).meta)
+        at = len(prefix)
+        requests = [(prefix + ids, SamplingParams(**_SCORE, logprob_start=at)) for ids in choice_ids]
+        if node.method == "unconditional_likelihood_normalized":
+            context = list(self.codec.start_ids) or prefix[-1:]
+            requests += [(context + ids, SamplingParams(**_SCORE, logprob_start=len(context)))
+                         for ids in choice_ids]
+        outs = await self.backend.generate_batch(requests)
+        for out in outs:
+            self._record("select", node.name, out.meta)
+        logprobs = [list(out.prompt_logprobs) for out in outs]
+        n = len(choice_ids)
+        result = decide(node.method, node.choices, logprobs[:n], logprobs[n:] or None)
+        self._append_generated(result.choice, choice_ids[result.index], streamed=False)
+        self._set(node.name, result.choice, result)
+
+    async def _fork(self, node: ForkPoint) -> None:
+        prefix = self.flush()
+        if len(prefix) > len(self.codec.start_ids):
+            self._record("prefill", None, (await self.backend.prefill(prefix)).meta)
+        node.future.set_result(self.snapshot())
+
+    async def _join(self, node: JoinPoint) -> None:
+        for branch in node.branches:
+            await branch.idle()
+        for name in node.names:
+            values = [branch.vars.get(name) for branch in node.branches]
+            self._set(name, values, None)
+
+    # ---- forks ----
+    def fork(self, n: int) -> list["StateExecutor"]:
+        future = self.run.loop.create_future()
+        self.submit(ForkPoint(future))
+        branches = [self.run.spawn(future) for _ in range(n)]
+        self.children.extend(branches)
+        return branches
+
+    def join(self, branches: list["StateExecutor"]) -> None:
+        names: list[str] = []
+        for branch in branches:
+            for name in [*branch.own, *branch._expected]:
+                if name not in names and (name in branch.own or branch._expected[name] > 0):
+                    names.append(name)
+        self.submit(JoinPoint(tuple(branches), tuple(names)))
+

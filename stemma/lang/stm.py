@@ -1,0 +1,270 @@
+"""Text programs (.stm): parsed with lark (stm.lark), compiled to the same IR as Python programs.
+
+    {system}You are terse.{/system}
+    {user}
+    Question: {question}
+    {/user}
+    {assistant}{gen answer max_tokens=32 stop="\\n"}{/assistant}
+    Is it right? {select verdict choices=["yes", "no"]}
+
+- `{name}` appends a variable: a program argument, or a variable generated earlier.
+- `{gen name option=value ...}`: options are SamplingParams fields; `max_tokens` is accepted for
+  max_new_tokens. The name may be left out (`{gen max_tokens=8}`) to generate without storing.
+- `{select name choices=[...] method="..."}`: see scoring.py for the methods.
+- `{system}`, `{user}`, `{assistant}` open a turn and `{/system}` ... close it; these three names
+  cannot be variables. One newline is dropped right after an opening or closing role tag and right
+  before a closing one, so tags can stand on lines of their own.
+- `{{` and `}}` are literal braces. Values are "strings" or 'strings' (with escapes), numbers,
+  true/false/none, and [lists].
+
+`compile_text(source)` returns a TextFunction, run like any @stemma.function program, with the
+variables as keyword arguments. Every error names the line and column.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from stemma.lang.errors import StmSyntaxError, UnknownVariable
+from stemma.lang.function import Function
+from stemma.lang.ir import ROLES, Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, Where
+from stemma.lang.primitives import gen, select
+from stemma.lang.tracer import Placeholder
+
+ALIASES = {"max_tokens": "max_new_tokens"}
+KEYWORDS = ("gen", "select", *ROLES)
+
+
+@lru_cache(maxsize=1)
+def _parser():
+    from lark import Lark
+    grammar = (Path(__file__).parent / "stm.lark").read_text()
+    return Lark(grammar, parser="lalr", lexer="contextual", propagate_positions=True,
+                maybe_placeholders=False)
+
+
+# ---- parsing ----
+def _context(source: str, line: int, column: int) -> str:
+    lines = source.splitlines() or [""]
+    text = lines[line - 1] if 0 < line <= len(lines) else ""
+    return f"    {text}\n    {' ' * (column - 1)}^"
+
+
+def _syntax_error(exc: Exception, source: str, name: str) -> StmSyntaxError:
+    from lark.exceptions import UnexpectedCharacters, UnexpectedToken
+    if isinstance(exc, UnexpectedCharacters):
+        char = source[exc.pos_in_stream] if exc.pos_in_stream < len(source) else ""
+        hint = " (write }} for a literal brace)" if char == "}" else ""
+        where = Where(exc.line, exc.column, name)
+        return StmSyntaxError(f"unexpected character {char!r}{hint}", where,
+                              _context(source, exc.line, exc.column))
+    if isinstance(exc, UnexpectedToken) and exc.token.type != "$END":
+        where = Where(exc.line, exc.column, name)
+        value = exc.token.value.strip() or exc.token.value
+        if "TEXT" in exc.expected:  # between holes: only a stray closing brace gets here
+            message = f"unexpected {value!r} (write }}}} for a literal brace)"
+        else:
+            message = f"unexpected {value!r} in a hole"
+        return StmSyntaxError(message, where, _context(source, exc.line, exc.column))
+    lines = source.splitlines() or [""]
+    where = Where(len(lines), len(lines[-1]) + 1, name)
+    return StmSyntaxError("the program ends inside a hole: a '{' is never closed "
+                          "(write {{ for a literal brace)", where)
+
+
+def parse(source: str, name: str = "<text>"):
+    from lark.exceptions import UnexpectedInput
+    try:
+        return _parser().parse(source)
+    except UnexpectedInput as exc:
+        raise _syntax_error(exc, source, name) from None
+
+
+# ---- values ----
+def _value(tree) -> Any:
+    kind = tree.data
+    if kind == "list":
+        return [_value(child) for child in tree.children]
+    token = tree.children[0]
+    if kind == "string":
+        return ast.literal_eval(token.value)
+    if kind == "number":
+        text = token.value
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    return {"true": True, "false": False}.get(token.value.lower())
+
+
+# ---- compiling ----
+@dataclass(frozen=True)
+class _Hole:
+    head: str
+    flags: tuple[str, ...]
+    options: Mapping[str, Any]
+    where: Where
+
+
+def _hole(tree, name: str) -> _Hole:
+    head_tree, *args = tree.children
+    flags, options = [], {}
+    where = Where(tree.meta.line, tree.meta.column, name)
+    for arg in args:
+        key = arg.children[0].value
+        if arg.data == "flag":
+            flags.append(key)
+            continue
+        if key in options:
+            raise StmSyntaxError(f"option {key!r} is given twice", where)
+        options[key] = _value(arg.children[1])
+    return _Hole(head_tree.children[0].value, tuple(flags), options, where)
+
+
+def _compile_hole(hole: _Hole) -> Node:
+    head, where = hole.head, hole.where
+    if head.startswith("/"):
+        role = head[1:]
+        if role not in ROLES:
+            raise StmSyntaxError(f"{{{head}}} closes no block: blocks are {', '.join(ROLES)}", where)
+        _no_args(hole, head)
+        return RoleEnd(role)
+    if head in ROLES:
+        _no_args(hole, head)
+        return RoleBegin(head)
+    if head in ("gen", "select"):
+        if len(hole.flags) > 1:
+            raise StmSyntaxError(f"{head} takes one variable name, got {', '.join(hole.flags)}", where)
+        var = hole.flags[0] if hole.flags else None
+        try:
+            if head == "gen":
+                return gen(var, **{ALIASES.get(k, k): v for k, v in hole.options.items()})
+            return _select(var, hole.options)
+        except (ValueError, TypeError) as exc:
+            raise StmSyntaxError(f"{head}: {exc}", where) from None
+    _no_args(hole, f"variable {{{head}}}")
+    return VarRef(head, where)
+
+
+def _select(var: str | None, options: Mapping[str, Any]) -> Select:
+    if var is None:
+        raise ValueError("needs a variable name: {select name choices=[...]}")
+    unknown = sorted(set(options) - {"choices", "method"})
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r} (options: choices, method)")
+    if "choices" not in options:
+        raise ValueError("needs choices=[...]")
+    return select(var, options["choices"], **({"method": options["method"]} if "method" in options else {}))
+
+
+def _no_args(hole: _Hole, what: str) -> None:
+    if hole.flags or hole.options:
+        extra = [*hole.flags, *hole.options]
+        raise StmSyntaxError(f"{what} takes no arguments, got {', '.join(extra)}", hole.where)
+
+
+def _check_roles(nodes: Sequence[Node], wheres: Sequence[Where | None], name: str) -> None:
+    open_role, opened_at = None, None
+    for node, where in zip(nodes, wheres):
+        if isinstance(node, RoleBegin):
+            if open_role is not None:
+                raise StmSyntaxError(f"{{{node.role}}} opens a block inside the {{{open_role}}} block "
+                                     f"opened at {opened_at}; close that one first", where)
+            open_role, opened_at = node.role, where
+        elif isinstance(node, RoleEnd):
+            if open_role != node.role:
+                raise StmSyntaxError(f"{{/{node.role}}} closes no open {{{node.role}}} block "
+                                     f"(open: {('{' + open_role + '}') if open_role else 'none'})", where)
+            open_role = None
+    if open_role is not None:
+        raise StmSyntaxError(f"the {{{open_role}}} block is never closed", opened_at)
+
+
+def _trim_newlines(nodes: list[Node]) -> list[Node]:
+    """Drops one newline after a role tag and one before a closing tag."""
+    out = list(nodes)
+    for i, node in enumerate(out):
+        if not isinstance(node, Text):
+            continue
+        value = node.value
+        if i > 0 and isinstance(out[i - 1], (RoleBegin, RoleEnd)) and value.startswith("\n"):
+            value = value[1:]
+        if i + 1 < len(out) and isinstance(out[i + 1], RoleEnd) and value.endswith("\n"):
+            value = value[:-1]
+        out[i] = Text(value)
+    return [n for n in out if not (isinstance(n, Text) and not n.value)]
+
+
+def _unescape(text: str) -> str:
+    return text.replace("{{", "{").replace("}}", "}")
+
+
+def compile_nodes(source: str, name: str = "<text>") -> tuple[Node, ...]:
+    tree = parse(source, name)
+    nodes: list[Node] = []
+    wheres: list[Where | None] = []
+    for item in tree.children:
+        if item.data == "text":
+            nodes.append(Text(_unescape(item.children[0].value)))
+            wheres.append(None)
+        else:
+            hole = _hole(item, name)
+            nodes.append(_compile_hole(hole))
+            wheres.append(hole.where)
+    _check_roles(nodes, wheres, name)
+    return tuple(_trim_newlines(nodes))
+
+
+def arguments(nodes: Sequence[Node]) -> dict[str, Where | None]:
+    """The variables a program reads before generating them: its arguments, with first use."""
+    generated: set[str] = set()
+    needed: dict[str, Where | None] = {}
+    for node in nodes:
+        if isinstance(node, VarRef) and node.name not in generated and node.name not in needed:
+            needed[node.name] = node.where
+        elif isinstance(node, (Gen, Select)) and node.name:
+            generated.add(node.name)
+    return needed
+
+
+class TextFunction(Function):
+    """A compiled text program; its keyword arguments are its variables."""
+
+    def __init__(self, nodes: tuple[Node, ...], name: str, source: str = ""):
+        self.nodes = nodes
+        self.source = source
+        self.arguments = arguments(nodes)
+
+        def body(s, **args):
+            for node in nodes:
+                if isinstance(node, VarRef) and node.name in args:
+                    node = Text(str(args[node.name]))
+                s += node
+        super().__init__(body, name)
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+        if args:
+            raise TypeError(f"text program {self.name} takes its variables by name")
+        for var, where in self.arguments.items():
+            if var not in kwargs:
+                raise UnknownVariable(var, where, list(kwargs))
+        extra = sorted(set(kwargs) - set(self.arguments))
+        if extra:
+            takes = ", ".join(self.arguments) or "none"
+            raise TypeError(f"text program {self.name} has no variable {extra[0]!r} "
+                            f"(its variables: {takes})")
+        return (), dict(kwargs)
+
+    def placeholders(self) -> dict[str, Placeholder]:
+        return {var: Placeholder(var) for var in self.arguments}
+
+
+def compile_text(source: str, name: str = "<text>") -> TextFunction:
+    """A runnable program from .stm source."""
+    return TextFunction(compile_nodes(source, name), name, source)
+
+
+def load(path: str | Path) -> TextFunction:
+    """A runnable program from a .stm file."""
+    path = Path(path)
+    return compile_text(path.read_text(encoding="utf-8"), str(path))

@@ -1,0 +1,210 @@
+"""The frontend language on an in-process Engine (a tiny random llama with a word tokenizer):
+parity with hand-built engine calls, select against transformers, prefix sharing of fork and
+run_batch, and text programs against Python programs."""
+import pytest
+import torch
+
+import stemma
+from stemma import SamplingParams
+from stemma.lang.backends.engine import EngineBackend
+from tests.tiny_models import build_tiny
+from tests.tiny_tokenizer import save_tiny_tokenizer, words
+
+W = words()
+GREEDY = dict(temperature=0)
+
+
+def sentence(n, seed=0):
+    return " ".join(W[(seed + 7 * i + i * i) % len(W)] for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = build_tiny("llama", tmp_path_factory.mktemp("lang_llama"))
+    return str(save_tiny_tokenizer(path))
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    return stemma.Engine(folder, dtype="float32", kv_pool_tokens=40000, max_running_requests=64,
+                         attention_backend="torch")
+
+
+@pytest.fixture
+def backend(engine):
+    assert engine.flush_cache()
+    yield EngineBackend(engine)
+    engine.check_pool_whole()
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["queue"] == 0
+
+
+@stemma.function
+def two_calls(s, question):
+    s += sentence(12) + " " + question
+    s += stemma.gen("first", max_new_tokens=10, ignore_eos=True)
+    s += " " + W[5] + " " + W[6]
+    s += stemma.gen("second", max_new_tokens=10, stop=W[9])
+    s += " " + W[7] + stemma.select("pick", [W[30], W[31] + " " + W[32], W[40]])
+
+
+def test_greedy_outputs_equal_hand_built_engine_calls(engine, backend):
+    state = two_calls.run(question=W[50], backend=backend, sampling=GREEDY)
+    tok = engine.tokenizer
+
+    def enc(text):
+        return tok(text, add_special_tokens=False).input_ids
+
+    ids = enc(sentence(12) + " " + W[50])
+    first = engine.generate(ids, SamplingParams(max_new_tokens=10, ignore_eos=True, **GREEDY))
+    assert state["first"] == first.text and len(first.token_ids) == 10
+    ids = ids + first.token_ids + enc(" " + W[5] + " " + W[6])
+    second = engine.generate(ids, SamplingParams(max_new_tokens=10, stop=W[9], **GREEDY))
+    assert state["second"] == second.text
+    # the stop string ends inside the last token: the program keeps the ids of the text before it
+    assert second.finish_reason == "stop" and W[9] in tok.decode(second.token_ids[-1:])
+    assert W[9] not in second.text
+    ids = ids + enc(second.text) + enc(" " + W[7])
+    choices = [W[30], W[31] + " " + W[32], W[40]]
+    outs = engine.generate([ids + enc(c) for c in choices],
+                           SamplingParams(max_new_tokens=0, logprob_start=len(ids)))
+    means = [sum(o.prompt_logprobs) / len(o.prompt_logprobs) for o in outs]
+    assert state["pick"] == choices[means.index(max(means))]
+    assert state.meta("pick").scores == pytest.approx(means, abs=1e-6)
+    assert state.token_ids() == ids + enc(state["pick"])
+
+
+def _hf_choice_logprobs(folder, context, choices):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for choice in choices:
+        ids = torch.tensor([context + choice])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+        out.append([logp[len(context) + j - 1, t].item() for j, t in enumerate(choice)])
+    return out
+
+
+@pytest.mark.parametrize("method", ["token_length_normalized", "greedy_token",
+                                    "unconditional_likelihood_normalized"])
+def test_select_matches_transformers_within_1e4(folder, engine, backend, method):
+    choices = [W[3], W[10] + " " + W[11], W[60] + " " + W[61] + " " + W[62]]
+    prefix_text = sentence(30, seed=3)
+
+    @stemma.function
+    def pick(s):
+        s += prefix_text + stemma.select("c", choices, method=method)
+
+    result = pick.run(backend=backend).meta("c")
+    tok = engine.tokenizer
+    context = tok(prefix_text, add_special_tokens=False).input_ids
+    choice_ids = [tok(c, add_special_tokens=False).input_ids for c in choices]
+    cond = _hf_choice_logprobs(folder, context, choice_ids)
+    if method == "unconditional_likelihood_normalized":  # no BOS: the neutral context is the last token
+        uncond = _hf_choice_logprobs(folder, context[-1:], choice_ids)
+        expected = [sum(c - u for c, u in zip(ci, ui)) / len(ci) for ci, ui in zip(cond, uncond)]
+    else:
+        expected = [sum(ci) / len(ci) for ci in cond]
+    assert result.scores == pytest.approx(expected, abs=1e-4)
+    for got, want in zip(result.token_logprobs, cond):
+        assert got == pytest.approx(want, abs=1e-4)
+    if method != "greedy_token":
+        assert result.index == expected.index(max(expected))
+
+
+def test_fork_four_branches_share_a_500_token_prefix(engine, backend):
+    @stemma.function
+    def branches(s):
+        s += sentence(500, seed=1)
+        forks = s.fork(4)
+        for i, branch in enumerate(forks):
+            branch += " " + W[i]
+            branch += stemma.gen("idea", max_new_tokens=4, **GREEDY)
+        forks.join()
+        return forks
+
+    before = engine.stats()["cached_tokens"]
+    state = branches.run(backend=backend)
+    commit = state.calls()[0]
+    assert commit.kind == "prefill" and commit.prompt_tokens == 500
+    branch_calls = [c for branch in state.return_value for c in branch.calls()]
+    assert len(branch_calls) == 4
+    assert sum(c.cached_tokens for c in branch_calls) >= 1500
+    assert engine.stats()["cached_tokens"] - before >= 1500
+    assert len(state["idea"]) == 4
+
+
+def test_run_batch_serves_the_shared_prefix_from_the_cache(engine, backend):
+    shots = sentence(1000, seed=5)
+
+    @stemma.function
+    def classify(s, item):
+        s += shots
+        s += " " + item
+        s += stemma.gen("label", max_new_tokens=3, **GREEDY)
+
+    items = [sentence(3, seed=i) for i in range(64)]
+    states = classify.run_batch([{"item": it} for it in items], backend=backend, max_concurrency=64)
+    prefix_len = states.prefill.prompt_tokens
+    assert prefix_len == 1000
+    served = sum(min(s.calls()[0].cached_tokens, prefix_len) for s in states)
+    assert served >= 0.9 * 64 * prefix_len
+    # the same outputs as one program at a time
+    for i in (0, 17, 63):
+        assert states[i]["label"] == classify.run(item=items[i], backend=backend)["label"]
+
+
+def test_text_program_equals_python_program(backend):
+    source = (sentence(8) + " {question}\n"
+              "{gen answer max_tokens=8 stop=\"" + W[9] + "\"} " + W[4] +
+              "{select verdict choices=[\"" + W[1] + "\", \"" + W[2] + " " + W[3] + "\"]}"
+              " {answer} {gen again max_tokens=5}")
+
+    @stemma.function
+    def same(s, question):
+        s += sentence(8) + " " + question + "\n"
+        s += stemma.gen("answer", max_new_tokens=8, stop=W[9])
+        s += " " + W[4]
+        s += stemma.select("verdict", [W[1], W[2] + " " + W[3]])
+        s += " " + s["answer"] + " "
+        s += stemma.gen("again", max_new_tokens=5)
+
+    text_state = stemma.compile_text(source).run(question=W[20], backend=backend, sampling=GREEDY)
+    py_state = same.run(question=W[20], backend=backend, sampling=GREEDY)
+    assert text_state.vars() == py_state.vars()
+    assert text_state.text() == py_state.text()
+    assert text_state.token_ids() == py_state.token_ids()
+
+
+def test_streaming_through_the_engine(backend):
+    state = two_calls.run(question=W[50], backend=backend, sampling=GREEDY, stream=True)
+    generated = "".join(state.text_iter(generated_only=True))
+    assert generated == state["first"] + state["second"] + state["pick"]
+    assert two_calls.run(question=W[50], backend=backend, sampling=GREEDY).text() == state.text()
+
+
+def test_a_bad_prompt_fails_the_program_and_frees_the_engine(engine, backend):
+    @stemma.function
+    def too_long(s):
+        s += sentence(3000)
+        s += stemma.gen("x", max_new_tokens=2)
+
+    with pytest.raises(ValueError, match="does not fit the context"):
+        too_long.run(backend=backend)
+
+
+def test_a_failing_body_aborts_the_calls_in_flight(engine, backend):
+    @stemma.function
+    def doomed(s):
+        s += sentence(20)
+        long, short = s.fork(2)
+        long += stemma.gen("story", max_new_tokens=500, ignore_eos=True)
+        short += stemma.gen("x", max_new_tokens=2)
+        short["x"]
+        short["never"]
+
+    before = engine.stats()["generated_tokens"]
+    with pytest.raises(stemma.VariableNotGenerated, match="'never'"):
+        doomed.run(backend=backend)
+    assert engine.stats()["generated_tokens"] - before < 100  # the long gen was aborted

@@ -1,0 +1,61 @@
+"""Programs on a stemma server (stemma.Runtime on a tiny model) through the remote backend: the
+same outputs as on the in-process engine, and a clear error for an unreachable server."""
+import contextvars
+import socket
+
+import pytest
+
+import stemma
+from stemma.lang.backends.engine import EngineBackend
+from stemma.lang.backends.remote import RemoteBackend
+from tests.tiny_models import build_tiny
+from tests.tiny_tokenizer import save_tiny_tokenizer, words
+
+ENGINE = dict(dtype="float32", attention_backend="torch", kv_pool_tokens=8192, max_running_requests=32)
+W = words()
+
+
+@stemma.function
+def program(s, topic):
+    s += " ".join(W[:40]) + " " + topic
+    s += stemma.gen("first", max_new_tokens=8, stop=W[9])
+    forks = s.fork(3)
+    for i, branch in enumerate(forks):
+        branch += " " + W[i + 20] + stemma.gen("idea", max_new_tokens=5)
+    forks.join()
+    s += " " + W[4] + stemma.select("pick", [W[1], W[2] + " " + W[3]])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(save_tiny_tokenizer(build_tiny("llama", tmp_path_factory.mktemp("lang_remote"))))
+
+
+def test_remote_backend_matches_the_engine(folder):
+    local = program.run(topic=W[60], backend=EngineBackend(stemma.Engine(folder, **ENGINE)),
+                        sampling={"temperature": 0})
+    with stemma.Runtime(folder, **ENGINE) as rt:
+        def with_default():  # set_default_backend(stemma.connect(addr)) in a context of its own
+            stemma.set_default_backend(stemma.connect(rt.address))
+            return program.run(topic=W[60], sampling={"temperature": 0})
+
+        remote = contextvars.copy_context().run(with_default)
+        streamed = program.run(topic=W[60], backend=rt.client, sampling={"temperature": 0}, stream=True)
+        deltas = list(streamed.text_iter())
+        stats = rt.client.info()["stats"]
+    assert remote.vars() == local.vars() and remote.text() == local.text()
+    assert "".join(deltas) == streamed.text() == local.text()
+    assert [c.cached_tokens for c in remote.calls()] == [c.cached_tokens for c in local.calls()]
+    assert remote.usage().cached_tokens >= 3 * 40  # the branches shared the committed prefix
+    assert stats["cached_tokens"] >= 2 * remote.usage().cached_tokens and stats["running"] == 0
+
+
+def test_unreachable_server_is_named():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backend = RemoteBackend(f"tcp://127.0.0.1:{port}", connect_timeout=1.0)
+    with pytest.raises(stemma.BackendUnreachable,
+                       match=rf"server at tcp://127.0.0.1:{port} is unreachable: no answer within 1 s"):
+        program.run(topic="x", backend=backend)
+    backend.close()
