@@ -2,7 +2,8 @@
 
 Workloads (all requests arrive at once; greedy; EOS ignored so each request generates exactly
 its drawn output length):
-  mixed-uniform    random 32-256-token prompts, outputs uniform in [8, 128]
+  mixed-uniform    random prompts of --prompt-min to --prompt-max tokens (default 16-64),
+                   outputs uniform in [8, 128]
   mixed-longtail   same prompts, outputs long-tailed in [8, 128] (lognormal, median ~22, as
                    ShareGPT-like traffic: most answers short, a few long)
   shared-prefix    a 400-token shared prefix + a 16-48-token question, outputs uniform in [8, 64]
@@ -26,16 +27,16 @@ from common import percentile, table  # noqa: E402
 MODES = ("continuous", "dynamic", "static")
 
 
-def workload(name: str, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(name: str, n: int, seed: int = 0, prompt: tuple[int, int] = (16, 64)) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     tok = lambda k: [rng.randrange(10, 30000) for _ in range(k)]  # noqa: E731
     if name == "shared-prefix":
         prefix = tok(400)
         return [(prefix + tok(rng.randint(16, 48)), rng.randint(8, 64)) for _ in range(n)]
     if name == "mixed-uniform":
-        return [(tok(rng.randint(32, 256)), rng.randint(8, 128)) for _ in range(n)]
+        return [(tok(rng.randint(*prompt)), rng.randint(8, 128)) for _ in range(n)]
     if name == "mixed-longtail":
-        return [(tok(rng.randint(32, 256)), min(128, max(8, round(rng.lognormvariate(3.1, 0.8)))))
+        return [(tok(rng.randint(*prompt)), min(128, max(8, round(rng.lognormvariate(3.1, 0.8)))))
                 for _ in range(n)]
     raise ValueError(name)
 
@@ -80,6 +81,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=64)
     ap.add_argument("--workloads", nargs="+", default=["mixed-uniform", "mixed-longtail", "shared-prefix"])
     ap.add_argument("--png", default=str(Path(__file__).with_name("batching.png")))
     args = ap.parse_args()
@@ -99,7 +102,7 @@ def main() -> None:
 
     results, rows = {}, []
     for w in args.workloads:
-        spec = workload(w, args.requests)
+        spec = workload(w, args.requests, prompt=(args.prompt_min, args.prompt_max))
         radix_options = (True, False) if w == "shared-prefix" else (True,)
         for radix in radix_options:
             for mode in MODES:
@@ -108,7 +111,8 @@ def main() -> None:
                 rows.append([w, mode, "on" if radix else "off", r["tokens"], r["wall"], r["throughput"],
                              r["ttft_p50"], r["ttft_p99"], f"{r['cached'] / r['prompt']:.0%}"])
                 print(f"  {w:15s} {mode:10s} radix {'on ' if radix else 'off'} {r['throughput']:7.1f} tok/s", flush=True)
-    print(f"\ndefault model, {args.requests} requests per workload, max batch {args.max_batch}")
+    print(f"\ndefault model, {args.requests} requests per workload, max batch {args.max_batch}, "
+          f"mixed prompts {args.prompt_min}-{args.prompt_max} tokens")
     print(table(["workload", "batching", "radix", "tokens", "wall s", "tok/s", "ttft p50 s", "ttft p99 s",
                  "cached"], rows))
     print()

@@ -77,10 +77,12 @@ def main() -> None:
     hf_load = time.perf_counter() - t0
 
     rows = [["load (s)", hf_load, stemma_load, hf_load / stemma_load]]
+    print(f"  load: transformers {hf_load:.1f} s, stemma {stemma_load:.1f} s", flush=True)
     for b in args.batches:
         ours = stemma_decode_step(engine, b, args.steps)
         theirs = hf_decode_step(hf, b, args.steps)
         rows.append([f"decode step, batch {b} (ms)", theirs * 1e3, ours * 1e3, theirs / ours])
+        print(f"  batch {b}: transformers {theirs * 1e3:.1f} ms, stemma {ours * 1e3:.1f} ms", flush=True)
     print(f"default model {path.name}, dtype {args.dtype}, {torch.get_num_threads()} threads, "
           f"prompt {PROMPT_LEN} tokens, median of {args.steps} steps")
     print(table(["what", "transformers", "stemma", "speed-up (x)"], rows))
