@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 
 from stemma.runtime import protocol as P
-from stemma.runtime.client_base import (CONNECTION_LOST, GenerateState, RequestTimeout, ServerError,
+from stemma.runtime.client_base import (CONNECTION_LOST, GenerateState, RequestTimeout, ServerError, StreamBase,
                                         expect, frames, generate_request, info_dict, lost, new_rid,
                                         open_socket, read_reply)
 from stemma.runtime.outputs import RequestOutput
@@ -157,21 +157,9 @@ def _raise_later(future: asyncio.Future) -> None:
                                      "exception": future.exception()})
 
 
-class AsyncStream:
+class AsyncStream(StreamBase):
     """Async iterator over the text deltas of one streamed request; like client.Stream.
     Leaving it early (`aclose`, `async with`, a cancelled task) aborts the request."""
-
-    def __init__(self, client: AsyncClient, rid: str, timeout: float | None):
-        self.client = client
-        self.rid = rid
-        self.timeout = timeout
-        self.state = GenerateState(1)
-        self.output: RequestOutput | None = None
-        self._open = True
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.state.token_ids
 
     def __aiter__(self) -> "AsyncStream":
         return self

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import zmq
 
 from stemma.runtime import protocol as P
-from stemma.runtime.client_base import (CONNECTION_LOST, GenerateState, RequestTimeout, ServerError,
+from stemma.runtime.client_base import (CONNECTION_LOST, GenerateState, RequestTimeout, ServerError, StreamBase,
                                         expect, frames, generate_request, info_dict, lost, new_rid,
                                         open_socket, read_reply)
 from stemma.runtime.outputs import RequestOutput
@@ -229,24 +229,12 @@ class Client:
         self.close()
 
 
-class Stream:
+class Stream(StreamBase):
     """Iterates over the text deltas of one streamed request.
 
     `rid` names it (for `abort`); `token_ids` grows as chunks arrive; `output` is the
     RequestOutput once the stream has ended. Closing it early (or dropping it) aborts the request.
     """
-
-    def __init__(self, client: Client, rid: str, timeout: float | None):
-        self.client = client
-        self.rid = rid
-        self.timeout = timeout
-        self.state = GenerateState(1)
-        self.output: RequestOutput | None = None
-        self._open = True
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.state.token_ids
 
     def __iter__(self) -> "Stream":
         return self

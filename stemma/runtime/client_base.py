@@ -133,3 +133,20 @@ class GenerateState:
     def result(self) -> RequestOutput | list[RequestOutput]:
         outs = [self.outputs[i] for i in range(self.n)]
         return outs[0] if self.n == 1 else outs
+
+
+class StreamBase:
+    """What a sync or async stream of one request holds: its id, the state its chunks build, and
+    its RequestOutput once it has ended."""
+
+    def __init__(self, client: Any, rid: str, timeout: float | None):
+        self.client = client
+        self.rid = rid
+        self.timeout = timeout
+        self.state = GenerateState(1)
+        self.output: RequestOutput | None = None
+        self._open = True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.state.token_ids
