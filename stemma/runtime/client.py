@@ -244,13 +244,9 @@ class Stream(StreamBase):
             try:
                 delta = self.state.feed(self.client._next(self.rid, self.timeout))
             except BaseException as exc:
-                self._open = False
-                self.client._give_up(self.rid, exc)
+                self._fail(exc)
                 raise
-            if self.state.done:
-                self.output = self.state.result()
-                self._open = False
-                self.client._finish(self.rid)
+            self._settle()
             if delta:
                 return delta
         raise StopIteration

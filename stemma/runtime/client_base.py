@@ -150,3 +150,15 @@ class StreamBase:
     @property
     def token_ids(self) -> list[int]:
         return self.state.token_ids
+
+    def _fail(self, exc: BaseException) -> None:
+        """Ends the stream after an error while reading it; the client aborts the request."""
+        self._open = False
+        self.client._give_up(self.rid, exc)
+
+    def _settle(self) -> None:
+        """Records the output once the last message of the request has been fed."""
+        if self.state.done:
+            self.output = self.state.result()
+            self._open = False
+            self.client._finish(self.rid)
