@@ -30,6 +30,7 @@ from stemma.radix.cache import RadixCache
 from stemma.runtime import policy
 from stemma.runtime.constrained.constrainer import Constrainer
 from stemma.runtime.engine_config import EngineConfig
+from stemma.runtime.forward_batch import ForwardBatch
 from stemma.runtime.model_runner import ModelRunner
 from stemma.runtime.request import ReqState, Request
 from stemma.runtime.sampler import Sampler
@@ -318,7 +319,6 @@ class Scheduler:
         token_lists = [r.tokens[r.kv_len:r.kv_len + n] for r, n in zip(reqs, counts)]
         out_slots = torch.cat([self.runner.req_to_slot.read(r.row, r.kv_len + n, r.kv_len)
                                for r, n in zip(reqs, counts)])
-        from stemma.runtime.forward_batch import ForwardBatch
         return ForwardBatch.build(token_lists=token_lists, req_rows=[r.row for r in reqs],
                                   prefix_lens=[r.kv_len for r in reqs], out_slots=out_slots,
                                   req_to_slot=self.runner.req_to_slot.table,
