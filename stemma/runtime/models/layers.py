@@ -12,6 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from stemma.runtime.attention.base import AttentionBackend, AttentionLayer
 from stemma.runtime.forward_batch import ForwardBatch
 from stemma.runtime.memory import KVPool
+from stemma.runtime.models.linear import Linear
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -92,8 +93,8 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported activation {activation!r}")
         self.act = _ACTIVATIONS[activation]
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -109,8 +110,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         self.sizes = (hq * d, hkv * d, hkv * d)
-        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(hq * d, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, sum(self.sizes), bias=spec.qkv_bias)
+        self.o_proj = Linear(hq * d, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, norm_offset)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, norm_offset)
