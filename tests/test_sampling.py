@@ -350,3 +350,17 @@ def test_sibling_seeds_are_distinct_stable_and_draw_differently():
     flat = torch.zeros(1, 1000)
     tokens = {run(flat, [Req(SamplingParams(seed=s))]).token_ids.item() for s in seeds[:16]}
     assert len(tokens) > 12
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 3), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2**31))
+def test_argmax_rows_matches_argmax_in_both_layouts_with_ties(rows, chunks, dtype, seed):
+    """Row-major and transposed (column-major) logits; small integer values force ties, also
+    across vocabulary chunks."""
+    from stemma.runtime.sampler import _ARGMAX_CHUNK, argmax_rows
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, chunks * _ARGMAX_CHUNK), generator=g).to(dtype)
+    transposed = logits.t().contiguous().t()
+    assert not transposed.is_contiguous() or rows == 1
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert torch.equal(argmax_rows(transposed), logits.argmax(-1))

@@ -113,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if self.decode_part is not None:
             tok = self.decode_part.tokens
-            out[tok] = self._decode_rows(q[tok], self.decode_part, layer, pool)
+            out.index_copy_(0, tok, self._decode_rows(q.index_select(0, tok), self.decode_part, layer, pool))
         for part in self.extend_parts:
             o = self._extend_group(q.index_select(0, part.tokens), part, layer, pool)
             out.index_copy_(0, part.dest, o.index_select(0, part.take))
