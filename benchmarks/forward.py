@@ -27,7 +27,9 @@ PROMPT_LEN = 128
 def stemma_decode_step(engine, batch: int, steps: int) -> float:
     from stemma import SamplingParams
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0, max_new_tokens=10_000, ignore_eos=True)
+    # as many new tokens as the timed and warm-up steps need: the engine keeps KV in reserve for
+    # every running request's remaining tokens, so a larger limit would not admit the whole batch
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 8, ignore_eos=True)
     reqs = [r for _ in range(batch)
             for r in engine.submit(torch.randint(10, 20000, (PROMPT_LEN,), generator=g).tolist(), params)]
     while not all(r.is_decoding for r in reqs):
@@ -74,7 +76,7 @@ def main() -> None:
     from stemma.runtime.models.gguf_loader import default_model_path
     stemma.Engine(dtype=args.dtype, kv_pool_tokens=1024)  # fills the loader's disk cache if cold
     t0 = time.perf_counter()
-    engine = stemma.Engine(dtype=args.dtype, kv_pool_tokens=max(args.batches) * (PROMPT_LEN + 64),
+    engine = stemma.Engine(dtype=args.dtype, kv_pool_tokens=max(args.batches) * (PROMPT_LEN + args.steps + 64),
                            max_running_requests=max(args.batches))
     stemma_load = time.perf_counter() - t0
 
