@@ -54,17 +54,17 @@ def extend_groups(prefix_lens: list[int], extend_lens: list[int], slack: int = 1
     sorted by size and a group closes when padding would more than double its score area."""
     order = sorted((i for i, e in enumerate(extend_lens) if e > 1),
                    key=lambda i: (extend_lens[i], prefix_lens[i]))
-    groups, cur = [], []
+    groups: list[list[int]] = []
+    e_max = s_max = area = 0  # of the open group, groups[-1]
     for i in order:
-        cand = cur + [i]
-        e_max = max(extend_lens[j] for j in cand)
-        s_max = max(prefix_lens[j] + extend_lens[j] for j in cand)
-        area = sum(extend_lens[j] * (prefix_lens[j] + extend_lens[j]) for j in cand)
-        if cur and len(cand) * e_max * s_max > 2 * area + slack:
-            groups.append(cur)
-            cand = [i]
-        cur = cand
-    return groups + [cur] if cur else groups
+        e, s = extend_lens[i], prefix_lens[i] + extend_lens[i]
+        grown = (len(groups[-1]) + 1) * max(e_max, e) * max(s_max, s) if groups else 0
+        if not groups or grown > 2 * (area + e * s) + slack:
+            groups.append([])
+            e_max = s_max = area = 0
+        groups[-1].append(i)
+        e_max, s_max, area = max(e_max, e), max(s_max, s), area + e * s
+    return groups
 
 
 class TorchAttentionBackend(AttentionBackend):
