@@ -9,9 +9,9 @@ import zmq
 import zmq.asyncio
 
 from stemma.runtime import protocol as P
-from stemma.runtime.client_base import (CONNECTION_LOST, GenerateState, RequestTimeout, ServerError, StreamBase,
+from stemma.runtime.client_base import (GenerateState, RequestTimeout, ServerError, StreamBase,
                                         expect, frames, generate_request, info_dict, lost, new_rid,
-                                        open_socket, read_reply)
+                                        open_socket, read_reply, unhealthy)
 from stemma.runtime.outputs import RequestOutput
 
 
@@ -131,10 +131,8 @@ class AsyncClient:
         try:
             expect(await self._call(P.Health(rid=new_rid()), timeout), P.HealthOk)
             return True
-        except RequestTimeout:
-            return False
         except ServerError as exc:
-            if exc.code in (CONNECTION_LOST, P.ENGINE_DEAD, P.SHUTTING_DOWN):
+            if unhealthy(exc):
                 return False
             raise
 

@@ -34,6 +34,12 @@ class RequestTimeout(ServerError, TimeoutError):
         super().__init__("timeout", f"no reply from the server within {seconds:g} s")
 
 
+def unhealthy(exc: ServerError) -> bool:
+    """Whether a failed health call means "not serving" (a timeout, a lost connection, a dead or
+    stopping engine) rather than an error to raise (a wrong API key)."""
+    return isinstance(exc, RequestTimeout) or exc.code in (CONNECTION_LOST, P.ENGINE_DEAD, P.SHUTTING_DOWN)
+
+
 def new_rid() -> str:
     return uuid.uuid4().hex
 
