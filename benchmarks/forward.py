@@ -73,7 +73,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
     import stemma
-    from stemma.runtime.models.gguf_loader import default_model_path
+    from stemma.loader.gguf.loader import default_model_path
     stemma.Engine(dtype=args.dtype, kv_pool_tokens=1024)  # fills the loader's disk cache if cold
     t0 = time.perf_counter()
     engine = stemma.Engine(dtype=args.dtype, kv_pool_tokens=max(args.batches) * (PROMPT_LEN + args.steps + 64),

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import percentile, table  # noqa: E402
 
 from stemma.cli_args import add_dataclass_args, collect  # noqa: E402
-from stemma.runtime.engine_config import EngineConfig  # noqa: E402
+from stemma.engine_config import EngineConfig  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week "
          "case point number group problem fact river mountain city garden window story music dream "
@@ -92,7 +92,7 @@ async def served_client(client, jobs: list[Job], out: list[Record]) -> None:
 
 
 async def served_level(address: str, concurrency: int, jobs: list[Job]) -> tuple[float, list[Record]]:
-    from stemma.runtime.client import connect
+    from stemma.client.sync import connect
     clients = [connect(address) for _ in range(concurrency)]
     out: list[Record] = []
     start = time.perf_counter()
@@ -148,8 +148,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = collect(args, EngineConfig)
-    from stemma.runtime.engine import Engine
-    from stemma.runtime.local_runtime import Runtime
+    from stemma.engine.engine import Engine
+    from stemma.serve.runtime import Runtime
     levels = sorted(set(args.concurrency) | {args.compare_at})
     runtime = None
     if args.address is None:

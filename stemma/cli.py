@@ -6,15 +6,15 @@ import sys
 import time
 
 from stemma.cli_args import add_dataclass_args, collect
-from stemma.runtime.engine_config import EngineConfig
-from stemma.runtime.server import ServeConfig
+from stemma.engine_config import EngineConfig
+from stemma.serve.launch import ServeConfig
 from stemma.sampling_params import SamplingParams
 
 _GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
 
 
 def _engine(ns):
-    from stemma.runtime.engine import Engine
+    from stemma.engine.engine import Engine
     return Engine(**collect(ns, EngineConfig))
 
 
@@ -40,7 +40,7 @@ def cmd_generate(ns) -> int:
 
 
 def cmd_serve(ns) -> int:
-    from stemma.runtime.server import serve
+    from stemma.serve.launch import serve
     return serve(EngineConfig.from_kwargs(**collect(ns, EngineConfig)),
                  ServeConfig(**collect(ns, ServeConfig)))
 

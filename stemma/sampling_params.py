@@ -4,7 +4,7 @@ Every layer (frontend, wire protocol, engine, sampler) passes a whole `SamplingP
 fields one by one. It is torch-free so that `import stemma` stays light. The fields are checked
 once, in `__post_init__`; every error is a ValueError whose message starts with the field's name.
 `regex` / `json_schema` / `grammar` constrain the output (at most one per request). Here they are
-only type-checked; stemma.runtime.constrained.spec compiles them when the engine takes the request.
+only type-checked; stemma.constrained.spec compiles them when the engine takes the request.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from stemma.runtime.model_runner import ModelRunner
+from stemma.executor.runner import ModelRunner
 
 
 class Driver:

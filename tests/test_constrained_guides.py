@@ -5,11 +5,11 @@ import ctypes
 import pytest
 import torch
 
-from stemma.runtime.constrained import bitmask, jump_forward
-from stemma.runtime.constrained.grammar import GrammarGuide, build_lltokenizer
-from stemma.runtime.constrained.guide import RegexGuide
-from stemma.runtime.constrained.index_cache import IndexCache
-from stemma.runtime.constrained.vocab import build_vocab
+from stemma.constrained import bitmask, jump_forward
+from stemma.constrained.grammar import GrammarGuide, build_lltokenizer
+from stemma.constrained.guide import RegexGuide
+from stemma.constrained.index_cache import IndexCache
+from stemma.constrained.vocab import build_vocab
 from tests.bytelevel_tokenizer import save_bytelevel_tokenizer
 
 

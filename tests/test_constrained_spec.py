@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from stemma import SamplingParams
-from stemma.runtime.constrained.int_range import int_range_regex
-from stemma.runtime.constrained.json_schema import schema_to_regex
-from stemma.runtime.constrained.spec import ConstraintSpec, check
+from stemma.constrained.int_range import int_range_regex
+from stemma.constrained.json_schema import schema_to_regex
+from stemma.constrained.spec import ConstraintSpec, check
 
 # ---------------------------------------------------------------- SamplingParams fields
 

@@ -2,7 +2,7 @@
 byte fallback) and on a GPT-2-style ByteLevel tokenizer built here."""
 import pytest
 
-from stemma.runtime.constrained.vocab import build_vocab, gpt2_byte_decoder
+from stemma.constrained.vocab import build_vocab, gpt2_byte_decoder
 from tests.bytelevel_tokenizer import EOS, save_bytelevel_tokenizer
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -12,8 +12,8 @@ TEXTS = ["Hello world", "  two  spaces and\ttabs\n\nnewlines", '{"name": "Ada", 
 
 @pytest.fixture(scope="module")
 def gemma_tokenizer():
-    from stemma.runtime.models.gguf_loader import default_model_path
-    from stemma.runtime.models.tokenizer import load_tokenizer
+    from stemma.loader.gguf.loader import default_model_path
+    from stemma.text.tokenizer import load_tokenizer
     return load_tokenizer(str(default_model_path()))
 
 

@@ -77,7 +77,7 @@ def test_logprobs_match_a_full_forward(engine):
     out = engine.generate(ids, GREEDY.replace(max_new_tokens=4, logprobs=True, top_logprobs=3, logprob_start=2))
     seq = ids + out.token_ids
     from tests.driver import Driver
-    from stemma.runtime.model_runner import ModelRunner, RunnerConfig
+    from stemma.executor.runner import ModelRunner, RunnerConfig
     d = Driver(ModelRunner(engine.loaded, RunnerConfig(kv_pool_tokens=64, attention_backend="torch")))
     ref = torch.log_softmax(d.step([(d.new(), seq)], all_logits=True)[0].float(), -1)
     want_prompt = [ref[p - 1, seq[p]].item() for p in range(2, len(ids))]

@@ -1,7 +1,7 @@
 """Grouping of extending requests in the torch attention backend."""
 from hypothesis import given, strategies as st
 
-from stemma.runtime.attention.torch_backend import extend_groups
+from stemma.attention.torch_backend import extend_groups
 
 reqs = st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 2000)), max_size=24)
 

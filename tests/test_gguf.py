@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from stemma.runtime.models import gguf_cache
-from stemma.runtime.models.gguf_dequant import SUPPORTED_TYPES, dequantize
-from stemma.runtime.models.gguf_index import GGUFIndex, read_index
-from stemma.runtime.models.gguf_loader import default_model_path, load_gguf
+from stemma.models import gguf_cache
+from stemma.loader.gguf.dequant import SUPPORTED_TYPES, dequantize
+from stemma.loader.gguf.index import GGUFIndex, read_index
+from stemma.loader.gguf.loader import default_model_path, load_gguf
 
 QT = gguf.GGMLQuantizationType
 QUANTIZABLE = [QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]

@@ -26,11 +26,11 @@ from stemma.kernels.extend_attention import (_extend_attention_kernel, extend_at
 from stemma.kernels.kv_write import kv_write, kv_write_reference
 from stemma.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from stemma.kernels.rotary import apply_rotary, apply_rotary_reference
-from stemma.runtime.attention.base import AttentionLayer
-from stemma.runtime.attention.select import make_attention_backend
-from stemma.runtime.attention.triton_backend import TritonAttentionBackend
-from stemma.runtime.forward_batch import ForwardBatch
-from stemma.runtime.memory import KVPool, ReqToSlot
+from stemma.attention.base import AttentionLayer
+from stemma.attention.select import make_attention_backend
+from stemma.attention.triton_backend import TritonAttentionBackend
+from stemma.executor.forward_batch import ForwardBatch
+from stemma.cache.kv_pool import KVPool, ReqToSlot
 
 if not is_interpreted(_extend_attention_kernel):
     raise RuntimeError("stemma.kernels was imported before TRITON_INTERPRET=1 was set; "
@@ -269,7 +269,7 @@ def run_backend(backend, layer: AttentionLayer, steps, dtype):
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_triton_backend_matches_torch_backend(dtype):
-    torch_backend = pytest.importorskip("stemma.runtime.attention.torch_backend")
+    torch_backend = pytest.importorskip("stemma.attention.torch_backend")
     layer = AttentionLayer(layer_id=0, num_heads=4, num_kv_heads=1, head_dim=80, scale=80 ** -0.5,
                            sliding_window=6, logit_cap=2.0)
     steps = [[(2, 0, 7), (0, 0, 13)],             # prefill

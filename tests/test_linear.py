@@ -2,7 +2,7 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from stemma.runtime.models.linear import SMALL_ROWS, Linear, linear
+from stemma.models.linear import SMALL_ROWS, Linear, linear
 
 
 @settings(max_examples=30, deadline=None)

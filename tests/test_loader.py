@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from stemma.runtime.models.loader import load_model
+from stemma.loader.model import load_model
 from tests.driver import Driver
-from stemma.runtime.model_runner import ModelRunner, RunnerConfig
+from stemma.executor.runner import ModelRunner, RunnerConfig
 from tests.tiny_models import build_tiny
 
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from stemma.runtime.model_runner import ModelRunner, RunnerConfig
-from stemma.runtime.models.loader import load_model
+from stemma.executor.runner import ModelRunner, RunnerConfig
+from stemma.loader.model import load_model
 from tests.driver import Driver
 from tests.tiny_models import build_tiny
 

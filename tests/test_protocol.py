@@ -7,8 +7,8 @@ import pytest
 import zmq
 from hypothesis import given, settings, strategies as st
 
-from stemma.runtime import protocol as P
-from stemma.runtime.peer_watch import PeerWatch
+from stemma import protocol as P
+from stemma.serve.peer_watch import PeerWatch
 from stemma.sampling_params import SamplingParams
 
 EXAMPLES = [

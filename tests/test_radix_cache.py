@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from stemma.radix.cache import RadixCache
-from stemma.radix.tree import Node
-from stemma.runtime.memory import ReqToSlot, SlotAllocator
+from stemma.cache.radix_cache import RadixCache
+from stemma.cache.radix_tree import Node
+from stemma.cache.kv_pool import ReqToSlot, SlotAllocator
 
 TOTAL_SLOTS, MAX_REQS, MAX_CONTEXT, MAX_TOKENS = 16, 4, 32, 14
 

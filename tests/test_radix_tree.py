@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from stemma.radix.tree import RadixTree
+from stemma.cache.radix_tree import RadixTree
 
 keys = st.lists(st.integers(0, 2), max_size=8)
 salts = st.sampled_from([None, "a", "b"])

@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from stemma.runtime.sampler import Sampler, apply_penalties
-from stemma.runtime.sampling_batch import SamplingBatch
-from stemma.runtime.seeded_noise import _mul32, mix32, seeded_uniform
+from stemma.sampling.sampler import Sampler, apply_penalties
+from stemma.sampling.batch import SamplingBatch
+from stemma.sampling.seeded_noise import _mul32, mix32, seeded_uniform
 from stemma.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- SamplingParams
@@ -342,7 +342,7 @@ def test_top_logprobs_are_sorted_and_correct():
 
 
 def test_sibling_seeds_are_distinct_stable_and_draw_differently():
-    from stemma.runtime.seeded_noise import sibling_seed
+    from stemma.sampling.seeded_noise import sibling_seed
     seeds = [sibling_seed(5, i) for i in range(64)] + [sibling_seed(6, i) for i in range(64)]
     assert seeds[0] == 5 and seeds[64] == 6 and len(set(seeds)) == 128
     assert all(0 <= s < 2**63 for s in seeds) and sibling_seed(5, 3) == seeds[3]
@@ -357,7 +357,7 @@ def test_sibling_seeds_are_distinct_stable_and_draw_differently():
 def test_argmax_rows_matches_argmax_in_both_layouts_with_ties(rows, chunks, dtype, seed):
     """Row-major and transposed (column-major) logits; small integer values force ties, also
     across vocabulary chunks."""
-    from stemma.runtime.sampler import _ARGMAX_CHUNK, argmax_rows
+    from stemma.sampling.sampler import _ARGMAX_CHUNK, argmax_rows
     g = torch.Generator().manual_seed(seed)
     logits = torch.randint(-3, 4, (rows, chunks * _ARGMAX_CHUNK), generator=g).to(dtype)
     transposed = logits.t().contiguous().t()

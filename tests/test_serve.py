@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 import stemma
-from stemma.runtime import protocol as P
+from stemma import protocol as P
 from stemma.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny
 from tests.tiny_tokenizer import save_tiny_tokenizer, words
@@ -319,7 +319,7 @@ def test_runtime_starts_serves_cancels_and_stops(folder, engine, reference):
     prompts, params = make_prompts()
     with stemma.Runtime(folder, **ENGINE) as rt:
         assert rt.address.startswith("ipc://") and rt.running
-        pids = [p for p in children(os.getpid()) if "stemma.runtime" in cmdline(p)]
+        pids = [p for p in children(os.getpid()) if any(m in cmdline(p) for m in ("stemma.engine.process", "stemma.serve.gateway"))]
         assert len(pids) == 2
         assert rt.client.generate(prompts[3], params[3]).token_ids == reference[3][0]
         scored = dict(GREEDY, logprobs=True, top_logprobs=2, logprob_start=0)

@@ -5,8 +5,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from stemma.runtime.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from stemma.runtime.models.loader import load_model  # noqa: E402
+from stemma.executor.runner import ModelRunner, RunnerConfig  # noqa: E402
+from stemma.loader.model import load_model  # noqa: E402
 from tests.driver import Driver  # noqa: E402
 from tests.tiny_models import build_tiny  # noqa: E402
 

@@ -17,13 +17,13 @@ def as_backend(value: Any) -> Backend:
     if isinstance(value, Backend):
         return value
     from stemma.lang.backends.remote import RemoteBackend
-    from stemma.runtime.client import Client
+    from stemma.client.sync import Client
     if isinstance(value, (Client, str)):
         return RemoteBackend(value)
-    runtime = sys.modules.get("stemma.runtime.local_runtime")
+    runtime = sys.modules.get("stemma.serve.runtime")
     if runtime is not None and isinstance(value, runtime.Runtime):
         return RemoteBackend(value.client)
-    engine = sys.modules.get("stemma.runtime.engine")
+    engine = sys.modules.get("stemma.engine.engine")
     if engine is not None and isinstance(value, engine.Engine):
         from stemma.lang.backends.engine import EngineBackend
         return EngineBackend(value)

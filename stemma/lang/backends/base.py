@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from stemma.lang.chat_template import ChatTemplate, for_codec
 from stemma.lang.codec import TokenCodec
-from stemma.runtime.outputs import RequestOutput
+from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
 OnText = Callable[[str], None]

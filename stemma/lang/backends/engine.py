@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from stemma.lang.backends.base import Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
-from stemma.runtime.outputs import RequestOutput
+from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
 
@@ -30,7 +30,7 @@ class EngineBackend(Backend):
     def __init__(self, engine: Any = None, **engine_config: Any):
         """`engine`: a stemma.Engine; None starts one from `engine_config` (EngineConfig fields)."""
         if engine is None:
-            from stemma.runtime.engine import Engine
+            from stemma.engine.engine import Engine
             engine = Engine(**engine_config)
         elif engine_config:
             raise ValueError("pass an engine or engine options, not both")
@@ -50,7 +50,7 @@ class EngineBackend(Backend):
         (req,) = self.engine.submit(ids, params)
         waiter = _Waiter(req, loop.create_future(), on_text)
         if on_text is not None:
-            from stemma.runtime.detokenizer import TextStream
+            from stemma.text.detokenizer import TextStream
             waiter.stream = TextStream(self.engine.tokenizer, params.stop, params.skip_special_tokens,
                                        req.input_ids)
         self._waiting[req.rid] = waiter

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from stemma.lang.backends.base import Backend, OnText
 from stemma.lang.codec import TokenCodec
-from stemma.runtime.outputs import RequestOutput
+from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
 BOS = 1

@@ -13,9 +13,9 @@ from typing import Any
 from stemma.lang.backends.base import Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
 from stemma.lang.errors import BackendUnreachable
-from stemma.runtime.client import Client, connect
-from stemma.runtime.client_base import CONNECTION_LOST, RequestTimeout, ServerError
-from stemma.runtime.outputs import RequestOutput
+from stemma.client.sync import Client, connect
+from stemma.client.core import CONNECTION_LOST, RequestTimeout, ServerError
+from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ class RemoteBackend(Backend):
                                   f"(is `stemma serve` running there?)")
 
     def _codec_from(self, info: dict[str, Any]) -> TokenCodec:
-        from stemma.runtime.models.tokenizer import load_tokenizer
+        from stemma.text.tokenizer import load_tokenizer
         try:
             tokenizer = load_tokenizer(info["model"])
         except (OSError, ValueError) as exc:
@@ -81,7 +81,7 @@ class EmbeddedBackend(RemoteBackend):
     """A private `stemma.Runtime` (engine and gateway processes) and a client of it."""
 
     def __init__(self, model: str | None = None, **engine_config: Any):
-        from stemma.runtime.local_runtime import Runtime
+        from stemma.serve.runtime import Runtime
         self.runtime = Runtime(model, **engine_config)
         super().__init__(self.runtime.client)
 

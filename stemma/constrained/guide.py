@@ -1,0 +1,115 @@
+"""A Guide walks one request through its constraint, token by token. RegexGuide drives an
+outlines-core Index (regexes and JSON schemas); grammar.GrammarGuide drives llguidance.
+
+Both answer the same questions, so the scheduler's mask path and jump-forward never ask which kind
+they hold. "Final" means the end tokens are allowed now; "terminated" means nothing else is.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from stemma.constrained.vocab import TokenVocab
+
+MAX_ROLLBACK = 256    # tokens a guide can step back (jump-forward re-tokenizes its boundary)
+# Bytes tried first when looking for the single forced byte: printable ASCII ends the search fast.
+_PROBE_ORDER = tuple(range(0x20, 0x7F)) + tuple(b for b in range(256) if not 0x20 <= b < 0x7F)
+
+
+class Guide(Protocol):
+    error: str | None  # why the last accept failed
+
+    def fill_mask(self, address: int, words: int) -> None:
+        """Writes the allowed-token bitmask (bit t of word t // 32) of `words` int32 at `address`."""
+
+    def accept(self, token: int) -> bool:
+        """Advances past `token`; False (and `error` set) when it is not allowed, after which the
+        guide is not used again."""
+
+    def accept_many(self, tokens: list[int]) -> int:
+        """Advances past the longest allowed prefix of `tokens`; returns its length. The guide
+        stays usable (a refused token changes nothing)."""
+
+    def rollback(self, count: int) -> None:
+        """Undoes the last `count` accepted tokens."""
+
+    def is_final(self) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+    def forced_bytes(self, limit: int) -> bytes:
+        """The bytes that every continuation from here starts with (at most `limit`)."""
+
+
+class RegexGuide:
+    """A request's walk through an outlines-core Index.
+
+    Forced bytes are found through the vocabulary's 256 single-byte tokens: a byte is allowed next
+    exactly when its token is (a longer token implies its first byte is), so one allowed byte in a
+    non-final state is a forced byte. Vocabularies without all 256 byte tokens force nothing.
+    """
+
+    def __init__(self, index: Any, vocab: TokenVocab):
+        from outlines_core import Guide as OutlinesGuide
+        self._index = index
+        self._guide = OutlinesGuide(index, max_rollback=MAX_ROLLBACK)
+        self._byte_ids = vocab.byte_token_ids
+        self._eos = vocab.eos_token_id
+        self.error: str | None = None
+
+    def fill_mask(self, address: int, words: int) -> None:
+        self._guide.write_mask_into(address, words, 4)
+
+    def accept(self, token: int) -> bool:
+        try:
+            self._guide.advance(token, return_tokens=False)
+        except ValueError as exc:
+            self.error = str(exc)
+            return False
+        return True
+
+    def accept_many(self, tokens: list[int]) -> int:
+        for done, token in enumerate(tokens):
+            if not self.accept(token):
+                self.error = None
+                return done
+        return len(tokens)
+
+    def rollback(self, count: int) -> None:
+        if count:
+            self._guide.rollback_state(count)
+
+    def is_final(self) -> bool:
+        return self._guide.is_finished()
+
+    def is_terminated(self) -> bool:
+        state = self._guide.get_state()
+        return self._index.is_final_state(state) and not self._continues(state)
+
+    def forced_bytes(self, limit: int) -> bytes:
+        if self._byte_ids is None:
+            return b""
+        state, out = self._guide.get_state(), bytearray()
+        while len(out) < limit and not self._index.is_final_state(state):
+            step = self._single_byte(state)
+            if step is None:
+                break
+            out.append(step[0])
+            state = step[1]
+        return bytes(out)
+
+    def _single_byte(self, state: int) -> tuple[int, int] | None:
+        """(byte, next state) when exactly one byte may follow `state`, else None."""
+        found = None
+        for byte in _PROBE_ORDER:
+            nxt = self._index.get_next_state(state, self._byte_ids[byte])
+            if nxt is not None:
+                if found is not None:
+                    return None
+                found = (byte, nxt)
+        return found
+
+    def _continues(self, state: int) -> bool:
+        """Whether any token but EOS is allowed in `state`."""
+        if self._byte_ids is not None:
+            return any(self._index.get_next_state(state, t) is not None for t in self._byte_ids)
+        return any(t != self._eos for t in self._index.get_allowed_tokens(state))

@@ -1,0 +1,211 @@
+"""`stemma.Engine`: the in-process engine, for offline batches, tests and the engine process."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from stemma.text.detokenizer import TextStream
+from stemma.engine_config import EngineConfig
+from stemma.executor.runner import ModelRunner, RunnerConfig
+from stemma.loader.model import load_model
+from stemma.outputs import RequestOutput
+from stemma.engine.request import Request
+from stemma.engine.output import request_meta
+from stemma.engine.scheduler import Scheduler
+from stemma.sampling.seeded_noise import sibling_seed
+from stemma.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def eos_ids(loaded) -> tuple[int, ...]:
+    """EOS ids of the config, the tokenizer, and generation_config.json when the folder has one."""
+    values = [getattr(loaded.config, "eos_token_id", None), getattr(loaded.tokenizer, "eos_token_id", None)]
+    gen = Path(loaded.source) / "generation_config.json"
+    if gen.is_file():
+        values.append(json.loads(gen.read_text()).get("eos_token_id"))
+    ids: set[int] = set()
+    for value in values:
+        ids.update([value] if isinstance(value, int) else (value or []))
+    return tuple(sorted(ids))
+
+
+def as_params(params: SamplingParams | dict | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+    return params
+
+
+def is_single(prompts: Any) -> bool:
+    return isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0
+                                        and all(isinstance(t, int) for t in prompts))
+
+
+class Engine:
+    """Continuous-batching generation over a radix-cached KV pool, in this process.
+
+    `Engine(model=None, **config)`: `model` is a GGUF file or Hugging Face folder (None: the default
+    Gemma 3 270M); `config` takes the fields of `EngineConfig`.
+    """
+
+    def __init__(self, model: str | None = None, **config: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **config)
+        device = resolve_device(self.config.device)
+        self.loaded = load_model(self.config.model, self.config.dtype, device)
+        self.tokenizer = self.loaded.tokenizer
+        cfg = self.config
+        self.runner = ModelRunner(self.loaded, RunnerConfig(
+            kv_pool_tokens=cfg.kv_pool_tokens, max_running_requests=cfg.max_running_requests,
+            max_context=cfg.max_context, attention_backend=cfg.attention_backend))
+        self.eos_token_ids = eos_ids(self.loaded)
+        self.scheduler = Scheduler(self.runner, cfg, self.eos_token_ids, self.tokenizer)
+        self._ids = itertools.count()
+
+    # ---- requests ----
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must hold at least one token")
+        vocab = self.loaded.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None, *,
+               rid: str | None = None, salt: str | None = None) -> list[Request]:
+        """Queues a prompt; returns its `params.n` requests."""
+        params = as_params(params)
+        ids = self.tokenize(prompt)
+        max_ctx = self.runner.max_context
+        if len(ids) >= max_ctx:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {max_ctx} tokens")
+        rid = rid or uuid.uuid4().hex
+        reqs = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1:
+                p = params.replace(n=1, seed=None if params.seed is None else sibling_seed(params.seed, i))
+            reqs.append(Request(rid=rid if params.n == 1 else f"{rid}-{i}", input_ids=ids, params=p,
+                                salt=salt))
+        for req in reqs:
+            self.scheduler.add(req)
+        return reqs
+
+    def step(self) -> list[Request]:
+        return self.scheduler.step()
+
+    def abort(self, rid: str) -> Request | None:
+        return self.scheduler.abort(rid)
+
+    def run_until_done(self, reqs: Sequence[Request]) -> None:
+        while not all(r.finished for r in reqs):
+            if not self.step():
+                time.sleep(0.0005)  # dynamic batching: the batch window is still open
+
+    # ---- the public API ----
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | dict | Sequence[SamplingParams] | None = None):
+        """One output for a single prompt (text or token ids), else a list, `n` per prompt."""
+        single = is_single(prompts)
+        plist = [prompts] if single else list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(plist):
+                raise ValueError(f"params has {len(params)} entries for {len(plist)} prompts")
+            per_prompt = [as_params(p) for p in params]
+        else:
+            per_prompt = [as_params(params)] * len(plist)
+        reqs = [r for p, sp in zip(plist, per_prompt) for r in self.submit(p, sp)]
+        self.run_until_done(reqs)
+        outs = [self.output(r) for r in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    def stream(self, prompt: Prompt, params: SamplingParams | dict | None = None) -> Iterator[str]:
+        """Yields text deltas of one request as they are generated."""
+        params = as_params(params)
+        if params.n != 1:
+            raise ValueError(f"n must be 1 when streaming, got {params.n}")
+        (req,) = self.submit(prompt, params)
+        text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, req.input_ids)
+        sent = 0
+        try:
+            while not req.finished:
+                if not self.step():
+                    time.sleep(0.0005)
+                if len(req.output_ids) > sent:
+                    delta = text.push(req.output_ids[sent:])
+                    sent = len(req.output_ids)
+                    if delta:
+                        yield delta
+            tail = text.finish()
+            if tail:
+                yield tail
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    def output(self, req: Request) -> RequestOutput:
+        p = req.params
+        text = ""
+        if req.stop_tracker is not None:
+            req.stop_tracker.finish()
+            text = req.stop_tracker.text
+        elif self.tokenizer is not None:  # decoded as the stream decodes it, after the prompt
+            stream = TextStream(self.tokenizer, (), p.skip_special_tokens, req.input_ids)
+            text = stream.push(req.output_ids) + stream.finish()
+        return RequestOutput(
+            rid=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
+            logprobs=list(req.output_logprobs) if p.logprobs else None,
+            top_logprobs=list(req.output_top_logprobs) if p.top_logprobs else None,
+            prompt_logprobs=list(req.prompt_logprobs) if p.logprob_start is not None else None,
+            meta=request_meta(req))
+
+    # ---- cache and stats ----
+    def flush_cache(self) -> bool:
+        """Drops every cached prefix; refuses (False) while requests run."""
+        return self.scheduler.flush_cache()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        c = s.counters
+        alloc = s.cache.allocator
+        return {
+            "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": c.cached_tokens,
+            "generated_tokens": c.generated_tokens,
+            "tokens_per_s": c.generated_tokens / c.busy_time if c.busy_time else 0.0,
+            "steps": c.steps,
+            "retractions": c.retractions,
+            "queue": len(s.waiting),
+            "running": len(s.running),
+            "pool_total": alloc.total,
+            "pool_free": alloc.available,
+            "pool_cached": s.cache.tree.total_size,
+            "pool_usage": 1.0 - alloc.available / alloc.total,
+        }
+
+    def check_pool_whole(self) -> None:
+        """Asserts free + tree-held + request-held slots == total."""
+        self.scheduler.check_pool_whole()

@@ -1,0 +1,203 @@
+"""The engine process: one `Engine` fed by the gateway over ZeroMQ, answering in token ids only.
+
+    gateway ── PUSH requests ──▶ PULL ─▶ EngineLoop ─▶ PUSH outputs ──▶ gateway
+
+The gateway binds both sockets and the engine connects. While requests run, the loop takes in
+whatever has arrived without waiting and steps; when idle it blocks on the socket (with a timeout,
+to notice that its parent is gone). Each step's chunks and finishes travel as one Batch frame.
+Text never enters this process, except where the scheduler matches stop strings.
+
+Run as `python -m stemma.engine.process` with a JSON spec on stdin: `engine` (the
+EngineConfig fields), `requests` and `outputs` (the gateway's addresses).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from stemma import protocol as P
+from stemma.serve.proc_watch import ParentWatch
+from stemma.engine.request import Request
+from stemma.engine.output import request_meta
+
+IDLE_POLL_MS = 250
+MAX_INTAKE = 512          # messages taken in between two steps, so that steps are not starved
+SEND_TIMEOUT_MS = 10_000  # a gateway that stops reading for this long is taken for dead
+
+
+@dataclass
+class Live:
+    """A running sequence: the gateway's request id, its index among `n`, and how much was sent."""
+    req: Request
+    rid: str
+    index: int
+    stream: bool
+    sent: int = 0
+
+
+def _chunk(live: Live) -> P.TokenChunk:
+    req, start = live.req, live.sent
+    live.sent = len(req.output_ids)
+    return P.TokenChunk(
+        rid=live.rid, index=live.index, token_ids=req.output_ids[start:],
+        logprobs=req.output_logprobs[start:] if req.params.logprobs else None,
+        top_logprobs=[list(t) for t in req.output_top_logprobs[start:]] if req.params.top_logprobs else None)
+
+
+def _finished(live: Live) -> P.Finished:
+    req, p = live.req, live.req.params
+    return P.Finished(
+        rid=live.rid, index=live.index, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
+        logprobs=list(req.output_logprobs) if p.logprobs else None,
+        top_logprobs=[list(t) for t in req.output_top_logprobs] if p.top_logprobs else None,
+        prompt_logprobs=list(req.prompt_logprobs) if p.logprob_start is not None else None,
+        meta=request_meta(req))
+
+
+class EngineLoop:
+    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket):
+        self.engine = engine
+        self.requests = requests
+        self.outputs = outputs
+        self.live: dict[str, Live] = {}           # engine rid -> sequence
+        self.groups: dict[str, list[str]] = {}    # gateway rid -> engine rids of its n sequences
+        self.outbox: list[P.Message] = []
+
+    # ---- intake ----
+    def handle(self, msg: P.Message) -> None:
+        if isinstance(msg, P.GenerateReq):
+            self._generate(msg)
+        elif isinstance(msg, P.Abort):
+            for engine_rid in list(self.groups.get(msg.rid, ())):
+                if self.engine.abort(engine_rid) is not None:
+                    self._publish(self.live[engine_rid])
+        elif isinstance(msg, P.FlushCache):
+            self.send(P.FlushDone(rid=msg.rid, ok=self.engine.flush_cache()))
+        elif isinstance(msg, P.GetInfo):
+            self.send(self.info(msg.rid))
+        elif isinstance(msg, P.Health):
+            self.send(P.HealthOk(rid=msg.rid))
+        else:
+            self.outbox.append(P.ErrorMsg(rid=getattr(msg, "rid", ""), code=P.BAD_REQUEST,
+                                          message=f"the engine does not take {msg.TAG!r} messages"))
+
+    def _generate(self, msg: P.GenerateReq) -> None:
+        prompt = msg.input_ids if msg.input_ids is not None else msg.prompt
+        try:
+            reqs = self.engine.submit(prompt, msg.params, rid=msg.rid, salt=msg.salt)
+        except ValueError as exc:
+            self.outbox.append(P.ErrorMsg(rid=msg.rid, code=P.BAD_REQUEST, message=str(exc)))
+            return
+        self.groups[msg.rid] = [r.rid for r in reqs]
+        for i, req in enumerate(reqs):
+            self.live[req.rid] = Live(req, msg.rid, i, msg.stream)
+
+    def info(self, rid: str) -> P.Info:
+        engine = self.engine
+        stats = engine.stats()
+        try:
+            engine.check_pool_whole()
+            stats["pool_whole"] = True
+        except AssertionError as exc:
+            stats["pool_whole"], stats["pool_error"] = False, str(exc)
+        return P.Info(rid=rid, model=str(engine.loaded.source), context_length=engine.runner.max_context,
+                      vocab_size=engine.loaded.spec.vocab_size, stats=stats)
+
+    # ---- output ----
+    def _publish(self, live: Live) -> None:
+        """Queues what `live` produced since the last call, and its end once finished."""
+        if live.stream and len(live.req.output_ids) > live.sent:
+            self.outbox.append(_chunk(live))
+        if live.req.finished:
+            self.outbox.append(_finished(live))
+            del self.live[live.req.rid]
+            group = self.groups[live.rid]
+            group.remove(live.req.rid)
+            if not group:
+                del self.groups[live.rid]
+
+    def send(self, msg: P.Message) -> None:
+        self.outputs.send(P.encode(msg))
+
+    def flush(self) -> None:
+        if self.outbox:
+            self.send(P.Batch(items=self.outbox))
+            self.outbox = []
+
+    # ---- the loop ----
+    def take_in(self, timeout_ms: int) -> None:
+        if not self.requests.poll(timeout_ms):
+            return
+        for _ in range(MAX_INTAKE):
+            try:
+                frame = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frame, max_bytes=1 << 62)
+            except P.ProtocolError as exc:  # the gateway sent something broken: say so, go on
+                self.outbox.append(P.ErrorMsg(rid=exc.rid, code=P.BAD_REQUEST, message=str(exc)))
+                continue
+            self.handle(msg)
+
+    def step(self) -> bool:
+        """One engine step; False when it ran no forward (nothing to do, or a batch window is open)."""
+        touched = self.engine.step()
+        for req in touched:
+            live = self.live.get(req.rid)
+            if live is not None:
+                self._publish(live)
+        return bool(touched)
+
+    def run(self, stopping: Callable[[], bool]) -> None:
+        while not stopping():
+            self.take_in(0 if self.live else IDLE_POLL_MS)
+            if self.live and not self.step():
+                self.take_in(1)  # dynamic batching waits for its window: doze, but wake on input
+            self.flush()
+
+
+def _connect(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    sock.connect(address)
+    return sock
+
+
+def main(spec_json: str | None = None) -> int:
+    spec = json.loads(spec_json if spec_json is not None else sys.stdin.read())
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # `serve` turns Ctrl-C into SIGTERM for us
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    parent = ParentWatch()
+
+    from stemma.engine.engine import Engine
+    try:
+        engine = Engine(**spec["engine"])
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        print(f"stemma engine: error: {exc}", file=sys.stderr)
+        return 2
+    ctx = zmq.Context()
+    requests = _connect(ctx, zmq.PULL, spec["requests"])
+    outputs = _connect(ctx, zmq.PUSH, spec["outputs"])
+    loop = EngineLoop(engine, requests, outputs)
+    loop.send(P.EngineReady(model=str(engine.loaded.source), context_length=engine.runner.max_context,
+                             vocab_size=engine.loaded.spec.vocab_size))
+    try:
+        loop.run(lambda: stop["now"] or parent.orphaned())
+    except zmq.Again:
+        print("stemma engine: the gateway stopped reading; exiting", file=sys.stderr)
+        return 1
+    finally:
+        ctx.destroy(linger=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The model runner: owns the model, the KV pool and the req->slot table, and runs one forward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stemma.attention.select import make_attention_backend
+from stemma.executor.forward_batch import ForwardBatch
+from stemma.cache.kv_pool import KVPool, ReqToSlot
+from stemma.models.layers import ForwardContext
+from stemma.loader.model import LoadedModel
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    kv_pool_tokens: int = 65536
+    max_running_requests: int = 256
+    max_context: int | None = None    # None: the model's max_position_embeddings, capped by the pool
+    attention_backend: str = "auto"
+
+    def __post_init__(self):
+        if self.kv_pool_tokens < 16:
+            raise ValueError(f"kv_pool_tokens must be >= 16, got {self.kv_pool_tokens}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig = RunnerConfig()):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.spec = spec = loaded.spec
+        self.config = config
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_context = min(config.max_context or spec.max_position_embeddings,
+                               spec.max_position_embeddings, config.kv_pool_tokens)
+        self.pool = KVPool(spec.num_layers, config.kv_pool_tokens, spec.num_kv_heads, spec.head_dim,
+                           self.dtype, self.device)
+        # one spare row, so a full running set can still hold a request being admitted
+        self.req_to_slot = ReqToSlot(config.max_running_requests + 1, self.max_context, self.device)
+        self.backend = make_attention_backend(config.attention_backend, self.device)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [K, vocab] at fb.logits_indices (model dtype; see CausalLM.forward)."""
+        return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool))
+
+    def prepare(self, token_lists, req_rows, prefix_lens, logit_starts=None) -> ForwardBatch:
+        """Allocates slots for the new tokens, records them in the rows, and builds the batch."""
+        n = sum(len(t) for t in token_lists)
+        slots = self.pool.allocator.alloc(n)
+        if slots is None:
+            raise MemoryError(f"KV pool has {self.pool.allocator.available} free slots, {n} needed")
+        offset = 0
+        for row, p, toks in zip(req_rows, prefix_lens, token_lists):
+            self.req_to_slot.write(row, p, slots[offset:offset + len(toks)])
+            offset += len(toks)
+        return ForwardBatch.build(token_lists=token_lists, req_rows=req_rows, prefix_lens=prefix_lens,
+                                  out_slots=slots, req_to_slot=self.req_to_slot.table,
+                                  logit_starts=logit_starts)

@@ -1,0 +1,91 @@
+"""The on-disk cache that makes a GGUF model load fast after the first time.
+
+Parsing a GGUF header (the vocabulary above all) costs seconds, and transformers parses it again
+for the config and again for the tokenizer. So the first load of a file (cold) does all of that
+once and saves the results; later loads (warm) read them back:
+
+    <root>/gguf/<file stem>-<key>/
+        config.json                  AutoConfig.save_pretrained
+        tokenizer.json, tokenizer_config.json, ...   AutoTokenizer.save_pretrained
+        index.json                   GGUFIndex: tensor name, type, shape, byte range
+
+`<root>` is $STEMMA_CACHE_DIR, else ~/.cache/stemma. `<key>` hashes the file's resolved path,
+size and modification time (and this format's version), so a rewritten file gets a fresh entry.
+An entry is written into a hidden temporary sibling and renamed into place, so readers only ever
+see whole entries; a crash mid-write leaves at most that hidden sibling behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from stemma.loader.gguf.index import GGUFIndex, read_index
+from stemma.loader.gguf.names import check_architecture
+
+CACHE_FORMAT = 1
+INDEX_FILE = "index.json"
+
+
+@dataclass(frozen=True)
+class CachedMetadata:
+    """Everything but the weights: the HF config and tokenizer, and where each tensor lies."""
+
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    index: GGUFIndex
+
+
+def cache_root() -> Path:
+    override = os.environ.get("STEMMA_CACHE_DIR")
+    return Path(override) if override else Path.home() / ".cache" / "stemma"
+
+
+def entry_dir(path: Path) -> Path:
+    """The cache directory for the GGUF file at `path` (which must exist)."""
+    stat = path.stat()
+    identity = f"v{CACHE_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{path.stem}-{key}"
+
+
+def _write_entry(path: Path, target: Path) -> None:
+    """Cold path: parse the file three ways and publish the results at `target` atomically."""
+    index = read_index(path)
+    check_architecture(index.architecture)
+    source = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name,
+              "local_files_only": True}
+    config = AutoConfig.from_pretrained(**source)
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / INDEX_FILE).write_text(index.to_json())
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / INDEX_FILE).is_file():  # not a concurrent writer finishing first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_metadata(path: Path) -> CachedMetadata:
+    """Config, tokenizer and tensor index for the GGUF file at `path`, building the entry if absent."""
+    target = entry_dir(path)
+    if not (target / INDEX_FILE).is_file():
+        if target.exists():  # not written by us (entries appear whole); rebuild it
+            shutil.rmtree(target)
+        _write_entry(path, target)
+    index = GGUFIndex.from_json((target / INDEX_FILE).read_text())
+    check_architecture(index.architecture)
+    config = AutoConfig.from_pretrained(target, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    return CachedMetadata(config, tokenizer, index)

@@ -1,0 +1,140 @@
+"""The building blocks shared by stemma's decoder models."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from stemma.attention.base import AttentionBackend, AttentionLayer
+from stemma.executor.forward_batch import ForwardBatch
+from stemma.cache.kv_pool import KVPool
+from stemma.models.linear import Linear
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+@dataclass
+class ForwardContext:
+    """Everything a layer needs during one forward, passed explicitly (no global state)."""
+    batch: ForwardBatch
+    backend: AttentionBackend
+    pool: KVPool
+    rope_cache: dict = field(default_factory=dict)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32. `offset=1.0` is Gemma's `(1 + w)` variant, applied before the cast back."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding (NEOX, rotate-half layout) with inverse frequencies from transformers' rope table."""
+
+    def __init__(self, config: Any, head_dim: int, rope_key: str | None):
+        super().__init__()
+        self.key = rope_key
+        params = config.rope_parameters or {}
+        entry = params[rope_key] if rope_key else params
+        rope_type = entry.get("rope_type", "default")
+        if rope_type == "default":
+            base = entry["rope_theta"]
+            exps = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+            inv_freq = 1.0 / (base ** exps)
+            scaling = 1.0
+        else:
+            kwargs = {"layer_type": rope_key} if rope_key else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
+        # a plain attribute, not a buffer: models are built on the meta device and then emptied
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
+        self.scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D]; cos/sin [T, D/2] in float32."""
+        half = x.shape[-1] // 2
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); gate and up are one stacked matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str, bias: bool):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}")
+        self.act = _ACTIVATIONS[activation]
+        self.intermediate = intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Attention(nn.Module):
+    """Self-attention over the KV pool: stacked qkv projection, optional q/k norm, rope, backend."""
+
+    def __init__(self, spec, layer: AttentionLayer, rotary: Rotary, norm_offset: float):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        self.sizes = (hq * d, hkv * d, hkv * d)
+        self.qkv_proj = Linear(spec.hidden_size, sum(self.sizes), bias=spec.qkv_bias)
+        self.o_proj = Linear(hq * d, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, norm_offset)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        lay = self.layer
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(n, lay.num_heads, lay.head_dim)
+        k = k.view(n, lay.num_kv_heads, lay.head_dim)
+        v = v.view(n, lay.num_kv_heads, lay.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_for(self.rotary, ctx)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        out = ctx.backend.forward(q, k, v, lay, ctx.pool)
+        return self.o_proj(out.reshape(n, lay.num_heads * lay.head_dim))
+
+
+def rope_for(rotary: Rotary, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of this batch's positions, computed once per rotary per forward."""
+    if rotary.key not in ctx.rope_cache:
+        ctx.rope_cache[rotary.key] = rotary.cos_sin(ctx.batch.positions)
+    return ctx.rope_cache[rotary.key]

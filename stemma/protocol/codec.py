@@ -1,0 +1,115 @@
+"""The one msgpack codec that carries every message (see messages): `encode`, `decode`.
+
+A frame is one msgpack map: {"type": tag, "version": PROTOCOL_VERSION, <fields>}. `decode`
+checks the size, the msgpack itself, the tag, the version and every field's type, and raises
+`ProtocolError` (with the request id when one could be read) for anything malformed. Nothing is
+ever pickled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import msgpack
+
+from stemma.protocol.messages import _TYPES, DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
+from stemma.protocol.wire_types import WireTypeError, coerce
+from stemma.sampling_params import SamplingParams
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _HINTS[cls]
+
+
+def _required(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Message):
+        return to_wire(value)
+    if isinstance(value, SamplingParams):
+        return value.to_dict()
+    if isinstance(value, list) and value and isinstance(value[0], Message):
+        return [to_wire(v) for v in value]
+    return value
+
+
+def to_wire(msg: Message) -> dict[str, Any]:
+    out = {"type": msg.TAG}
+    for name in _hints(type(msg)):
+        out[name] = _plain(getattr(msg, name))
+    return out
+
+
+def _custom(value: Any, cls: type, where: str) -> Any:
+    if cls is SamplingParams:
+        if not isinstance(value, dict):
+            raise WireTypeError(f"{where} must be a map, got {type(value).__name__}")
+        try:
+            return SamplingParams.from_dict(value)
+        except (ValueError, TypeError) as exc:
+            raise WireTypeError(f"{where}: {exc}") from None
+    if isinstance(cls, type) and issubclass(cls, Message):
+        if not isinstance(value, dict) or value.get("type") != cls.TAG:
+            raise WireTypeError(f"{where} must be a {cls.TAG!r} message")
+        try:
+            return from_wire(value, (cls,))
+        except ProtocolError as exc:
+            raise WireTypeError(f"{where}: {exc}") from None
+    raise TypeError(f"{where}: no rule to decode {cls!r}")
+
+
+def from_wire(data: Any, allowed: tuple[type[Message], ...] | None = None) -> Message:
+    """The message a decoded map describes; raises ProtocolError."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"a message must be a map, got {type(data).__name__}")
+    rid = data.get("rid") if isinstance(data.get("rid"), str) else ""
+    tag = data.get("type")
+    cls = _TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {tag!r}", rid)
+    if allowed is not None and cls not in allowed:
+        raise ProtocolError(f"a {tag!r} message is not accepted here", rid)
+    if data.get("version") != PROTOCOL_VERSION:
+        raise ProtocolError(f"{tag}: protocol version {data.get('version')!r} is not supported (this "
+                            f"side speaks version {PROTOCOL_VERSION})", rid)
+    hints = _hints(cls)
+    unknown = sorted(map(str, set(data) - set(hints) - {"type"}))
+    if unknown:
+        raise ProtocolError(f"{tag}: unknown fields {', '.join(unknown)}", rid)
+    missing = [name for name in _required(cls) if name not in data]
+    if missing:
+        raise ProtocolError(f"{tag}: missing fields {', '.join(missing)}", rid)
+    try:
+        kwargs = {name: coerce(data[name], hint, f"{tag}.{name}", _custom)
+                  for name, hint in hints.items() if name in data}
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise ProtocolError(str(exc) if isinstance(exc, WireTypeError) else f"{tag}: {exc}", rid) from None
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(to_wire(msg), use_bin_type=True)
+
+
+def decode(frame: bytes, allowed: tuple[type[Message], ...] | None = None,
+           max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """The message in `frame`; `allowed` restricts its type. Raises ProtocolError."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes is over the limit of {max_bytes} bytes")
+    try:
+        data = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0,
+                               max_str_len=max_bytes, max_bin_len=max_bytes,
+                               max_array_len=max_bytes, max_map_len=max_bytes)
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+        detail = f": {exc}" if str(exc) else ""
+        raise ProtocolError(f"not a valid msgpack frame ({type(exc).__name__}{detail})") from None
+    return from_wire(data, allowed)

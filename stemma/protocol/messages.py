@@ -1,0 +1,193 @@
+"""The wire protocol's messages: small versioned dataclasses (the codec is `codec.py`).
+
+    client ── GenerateReq / Abort / FlushCache / GetInfo / Health ──▶ gateway ──▶ engine
+    client ◀─ TokenChunk / Finished / ErrorMsg / FlushDone / Info / HealthOk ── gateway ◀── engine
+    gateway ◀── EngineReady, Batch(TokenChunk | Finished | ErrorMsg) ── engine
+
+Between the client and the gateway a message travels as two frames, [api key, body];
+between the gateway and the engine, as the body alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from stemma.sampling_params import SamplingParams
+
+__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'HealthOk', 'EngineReady', 'Batch', 'CLIENT_REQUESTS']
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 8 << 20
+MAX_ID_CHARS = 256
+
+# ErrorMsg codes
+BAD_REQUEST = "bad_request"        # malformed frame or invalid request; the connection stays usable
+TOO_LARGE = "too_large"            # a frame over the size limit
+UNAUTHORIZED = "unauthorized"      # missing or wrong API key
+ENGINE_DEAD = "engine_dead"        # the engine process died; the server is going down
+SHUTTING_DOWN = "shutting_down"    # the server is stopping
+OVERLOADED = "overloaded"          # the engine's queue is full; retry later
+INTERNAL = "internal"              # a bug in the server (its log has the traceback)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message. `rid` is its request id when one could be read."""
+
+    def __init__(self, message: str, rid: str = ""):
+        super().__init__(message)
+        self.rid = rid
+
+
+_TYPES: dict[str, type["Message"]] = {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of every message; `TAG` names it on the wire."""
+    TAG: ClassVar[str] = ""
+    version: int = PROTOCOL_VERSION
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.TAG in _TYPES:
+            raise TypeError(f"message tag {cls.TAG!r} is used twice")
+        _TYPES[cls.TAG] = cls
+
+    def __post_init__(self):
+        if self.version != PROTOCOL_VERSION:
+            raise ValueError(f"protocol version {self.version} is not supported (this side speaks "
+                             f"version {PROTOCOL_VERSION})")
+        rid = getattr(self, "rid", None)
+        if rid is not None and not 0 < len(rid) <= MAX_ID_CHARS and self.TAG != "error":
+            raise ValueError(f"rid must hold 1 to {MAX_ID_CHARS} characters, got {len(rid)}")
+
+
+# ---- requests (client -> gateway -> engine) ----
+@dataclass(frozen=True, kw_only=True)
+class GenerateReq(Message):
+    """One prompt, as text or as token ids (exactly one of the two)."""
+    TAG: ClassVar[str] = "generate"
+    rid: str
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    salt: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.prompt is None) == (self.input_ids is None):
+            raise ValueError("a generate request needs exactly one of prompt and input_ids")
+        if self.input_ids is not None and not self.input_ids:
+            raise ValueError("input_ids must hold at least one token")
+        if self.stream and self.params.n != 1:
+            raise ValueError(f"n must be 1 when streaming, got {self.params.n}")
+        if self.salt is not None and len(self.salt) > MAX_ID_CHARS:
+            raise ValueError(f"salt must hold at most {MAX_ID_CHARS} characters")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Abort(Message):
+    """Stops a request; its Finished comes back with finish_reason 'abort'. Unknown ids are ignored."""
+    TAG: ClassVar[str] = "abort"
+    rid: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlushCache(Message):
+    TAG: ClassVar[str] = "flush_cache"
+    rid: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetInfo(Message):
+    TAG: ClassVar[str] = "get_info"
+    rid: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Health(Message):
+    """Answered by the engine loop itself, so a reply proves the whole path is alive."""
+    TAG: ClassVar[str] = "health"
+    rid: str
+
+
+# ---- replies ----
+@dataclass(frozen=True, kw_only=True)
+class TokenChunk(Message):
+    """New tokens of a streamed request. The engine sends ids only; the gateway adds `text`."""
+    TAG: ClassVar[str] = "chunk"
+    rid: str
+    index: int = 0
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished(Message):
+    """The whole output of one of a request's `n` sequences; `text` is filled in by the gateway."""
+    TAG: ClassVar[str] = "finished"
+    rid: str
+    index: int = 0
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorMsg(Message):
+    """A request failed. `rid` is empty when the failing frame's id could not be read."""
+    TAG: ClassVar[str] = "error"
+    rid: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlushDone(Message):
+    """`ok` is False while requests run (the cache is then left as it is)."""
+    TAG: ClassVar[str] = "flush_done"
+    rid: str
+    ok: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Info(Message):
+    TAG: ClassVar[str] = "info"
+    rid: str
+    model: str
+    context_length: int
+    vocab_size: int
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthOk(Message):
+    TAG: ClassVar[str] = "health_ok"
+    rid: str
+
+
+# ---- engine -> gateway only ----
+@dataclass(frozen=True, kw_only=True)
+class EngineReady(Message):
+    """The engine's first message, once the model is loaded."""
+    TAG: ClassVar[str] = "engine_ready"
+    model: str
+    context_length: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch(Message):
+    """Everything one engine step produced, in order, as one frame."""
+    TAG: ClassVar[str] = "batch"
+    items: list[TokenChunk | Finished | ErrorMsg]
+
+
+CLIENT_REQUESTS = (GenerateReq, Abort, FlushCache, GetInfo, Health)

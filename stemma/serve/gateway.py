@@ -1,0 +1,290 @@
+"""The gateway process: the server's front door. All text work happens here, never in the engine.
+
+    clients ── DEALER [api key, body] ──▶ ROUTER ─┐
+                                                  ├─ Gateway ── PUSH ──▶ engine process
+    clients ◀─ TokenChunk / Finished / ... ─ ROUTER ┘        ◀── PULL ──
+
+It checks the API key of every frame (a wrong key gets an `unauthorized` reply and nothing else),
+enforces the frame size limit, decodes and validates, tokenizes text prompts, gives each request
+an engine-side id, forwards it, and detokenizes the engine's token ids incrementally (UTF-8
+holdback, stop-string trimming) on their way back to the right client.
+
+A client whose connection closes has its requests aborted (see peer_watch). If the engine process
+exits, every waiting client gets an `engine_dead` error and the gateway exits with status 3.
+
+Run as `python -m stemma.serve.gateway` with a JSON spec (the fields of GatewaySpec) on stdin.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from stemma import protocol as P
+from stemma.text.detokenizer import TextStream
+from stemma.serve.routes import Pending, Routes
+from stemma.serve.peer_watch import PeerWatch, configure
+from stemma.serve.proc_watch import ParentWatch, ProcessWatch
+
+POLL_MS = 100
+MAX_BURST = 256           # frames read from one socket before looking at the others
+INTERNAL_HWM = 100_000    # frames queued towards the engine before clients are told to back off
+CLOSE_LINGER_MS = 1000    # time given to final replies (errors) to reach clients on exit
+EXIT_ENGINE_DEAD = 3
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    address: str                   # where clients connect: tcp://host:port or ipc://path
+    requests: str                  # gateway -> engine
+    outputs: str                   # engine -> gateway
+    engine_pid: int
+    api_key: str | None = None
+    max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
+
+    def __post_init__(self):
+        if self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+
+
+def _bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, INTERNAL_HWM)
+    sock.setsockopt(zmq.RCVHWM, INTERNAL_HWM)
+    sock.bind(address)
+    return sock
+
+
+class Gateway:
+    def __init__(self, spec: GatewaySpec, ctx: zmq.Context):
+        self.spec = spec
+        self.ctx = ctx
+        self.key = spec.api_key.encode() if spec.api_key else None
+        self.to_engine_sock = _bind(ctx, zmq.PUSH, spec.requests)
+        self.from_engine = _bind(ctx, zmq.PULL, spec.outputs)
+        self.engine = ProcessWatch(spec.engine_pid)
+        self.routes = Routes()
+        self.tokenizer: Any = None
+        self.router: zmq.Socket | None = None
+        self.peers: PeerWatch | None = None
+
+    # ---- startup ----
+    def wait_engine(self, stopping: Callable[[], bool]) -> P.EngineReady | None:
+        """The engine's EngineReady, or None if it exited (or we were told to stop) first."""
+        while not stopping() and not self.engine.exited():
+            if self.from_engine.poll(POLL_MS):
+                return P.decode(self.from_engine.recv(), (P.EngineReady,))
+        return None
+
+    def open(self, ready: P.EngineReady) -> None:
+        from stemma.text.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(ready.model)
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        router.setsockopt(zmq.MAXMSGSIZE, 4 * self.spec.max_frame_bytes)  # hard cap: drop the peer
+        configure(router)
+        self.peers = PeerWatch(router)
+        router.bind(self.spec.address)
+        self.router = router
+
+    # ---- the loop ----
+    def run(self, stopping: Callable[[], bool], orphaned: Callable[[], bool]) -> int:
+        poller = zmq.Poller()
+        for sock in (self.router, self.from_engine, self.peers.monitor):
+            poller.register(sock, zmq.POLLIN)
+        if self.engine.fd is not None:
+            poller.register(self.engine.fd, zmq.POLLIN)
+        while True:
+            if self.engine.exited():
+                self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
+                self.fail_all(P.ENGINE_DEAD, "the engine process died; the server is going down")
+                return EXIT_ENGINE_DEAD
+            if stopping() or orphaned():
+                self.fail_all(P.SHUTTING_DOWN, "the server is shutting down")
+                return 0
+            events = dict(poller.poll(POLL_MS))
+            for peer in self.peers.gone():  # before reading the ROUTER: see peer_watch
+                self.drop_peer(peer)
+            if self.from_engine in events:
+                self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
+            if self.router in events:
+                self._drain(self.router, self.on_client_guarded)
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
+        for _ in range(MAX_BURST):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.to_engine_sock.close()
+        self.from_engine.close()
+        if self.peers is not None:
+            self.peers.close()
+        if self.router is not None:
+            self.router.close()  # lingers, so the last errors reach their clients
+
+    # ---- replies ----
+    def reply(self, peer: bytes, msg: P.Message) -> None:
+        self.router.send_multipart([peer, P.encode(msg)])
+
+    def error(self, peer: bytes, rid: str, code: str, message: str) -> None:
+        self.reply(peer, P.ErrorMsg(rid=rid, code=code, message=message))
+
+    def fail_all(self, code: str, message: str) -> None:
+        for pending in self.routes.pop_all():
+            self.error(pending.peer, pending.rid, code, message)
+
+    # ---- from clients ----
+    def on_client_guarded(self, frames: list[zmq.Frame]) -> None:
+        """on_client, but a bug met while serving one client fails only that message."""
+        try:
+            self.on_client(frames)
+        except Exception as exc:
+            traceback.print_exc()
+            self.error(frames[0].bytes, "", P.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def on_client(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        if len(frames) != 3:
+            self.error(peer, "", P.BAD_REQUEST, "a message is two frames: [api key, body]")
+            return
+        if self.key is not None and not hmac.compare_digest(frames[1].bytes, self.key):
+            self.error(peer, "", P.UNAUTHORIZED, "missing or wrong API key")
+            return
+        body = frames[2]
+        self.peers.seen(peer, body)
+        try:
+            msg = P.decode(body.bytes, P.CLIENT_REQUESTS, self.spec.max_frame_bytes)
+        except P.ProtocolError as exc:
+            code = P.TOO_LARGE if len(body) > self.spec.max_frame_bytes else P.BAD_REQUEST
+            self.error(peer, exc.rid, code, str(exc))
+            return
+        if isinstance(msg, P.GenerateReq):
+            self.on_generate(peer, msg)
+        elif isinstance(msg, P.Abort):
+            gid = self.routes.find(peer, msg.rid)
+            if gid is not None:
+                self.to_engine(peer, msg.rid, P.Abort(rid=gid))
+        else:
+            self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG))
+
+    def on_generate(self, peer: bytes, msg: P.GenerateReq) -> None:
+        try:
+            ids = msg.input_ids if msg.input_ids is not None else self.tokenize(msg.prompt)
+        except ValueError as exc:
+            self.error(peer, msg.rid, P.BAD_REQUEST, str(exc))
+            return
+        pending = Pending(peer, msg.rid, msg.TAG, msg.stream, msg.params.n, ids, msg.params)
+        self.forward(peer, dataclasses.replace(msg, prompt=None, input_ids=ids), pending)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; send token ids instead of text")
+        ids = self.tokenizer(prompt).input_ids
+        if not ids:
+            raise ValueError("prompt must hold at least one token")
+        return ids
+
+    def forward(self, peer: bytes, msg: P.Message, pending: Pending) -> None:
+        """Registers the request and sends it on under its engine-side id."""
+        try:
+            gid = self.routes.add(pending)
+        except ValueError as exc:
+            self.error(peer, pending.rid, P.BAD_REQUEST, str(exc))
+            return
+        if not self.to_engine(peer, pending.rid, dataclasses.replace(msg, rid=gid)):
+            self.routes.pop(gid)
+
+    def to_engine(self, peer: bytes, rid: str, msg: P.Message) -> bool:
+        try:
+            self.to_engine_sock.send(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.error(peer, rid, P.OVERLOADED, "the engine's queue is full; try again later")
+            return False
+
+    def drop_peer(self, peer: bytes) -> None:
+        """A client went away: abort its generate requests, forget the rest."""
+        for gid, pending in self.routes.pop_peer(peer):
+            if pending.kind == P.GenerateReq.TAG:
+                self.to_engine(peer, pending.rid, P.Abort(rid=gid))
+
+    # ---- from the engine ----
+    def on_engine(self, frame: zmq.Frame) -> None:
+        msg = P.decode(frame.bytes, max_bytes=1 << 62)  # trusted, and may be large
+        for item in msg.items if isinstance(msg, P.Batch) else [msg]:
+            pending = self.routes.get(item.rid)
+            if pending is None:  # its client is gone
+                continue
+            if isinstance(item, P.TokenChunk):
+                text = self.text(pending, item.index).push(item.token_ids) if self.tokenizer else ""
+                self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid, text=text))
+            elif isinstance(item, P.Finished):
+                self.on_finished(item, pending)
+            else:  # an error, or the answer to a control request: the request's last word
+                self.routes.pop(item.rid)
+                self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid))
+
+    def on_finished(self, item: P.Finished, pending: Pending) -> None:
+        text = ""
+        if self.tokenizer is not None:
+            stream = self.text(pending, item.index)
+            if not pending.stream:
+                stream.push(item.token_ids)
+            tail = stream.finish()
+            if pending.stream and tail:
+                self.reply(pending.peer, P.TokenChunk(rid=pending.rid, index=item.index, token_ids=[],
+                                                      text=tail))
+            text = stream.text
+        self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid, text=text))
+        pending.done += 1
+        if pending.done == pending.n:
+            self.routes.pop(item.rid)
+
+    def text(self, pending: Pending, index: int) -> TextStream:
+        if index not in pending.texts:
+            p = pending.params
+            pending.texts[index] = TextStream(self.tokenizer, p.stop, p.skip_special_tokens,
+                                              pending.input_ids)
+        return pending.texts[index]
+
+
+def main(spec_json: str | None = None) -> int:
+    spec = GatewaySpec(**json.loads(spec_json if spec_json is not None else sys.stdin.read()))
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # `serve` turns Ctrl-C into SIGTERM for us
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    parent = ParentWatch()
+    from transformers import AutoTokenizer  # noqa: F401  (slow to import: do it while the engine loads)
+    ctx = zmq.Context()
+    gateway = Gateway(spec, ctx)
+    try:
+        ready = gateway.wait_engine(lambda: stop["now"] or parent.orphaned())
+        if ready is None:
+            if gateway.engine.exited():
+                print("stemma gateway: the engine exited before it was ready", file=sys.stderr)
+                return EXIT_ENGINE_DEAD
+            return 0
+        gateway.open(ready)
+        return gateway.run(lambda: stop["now"], parent.orphaned)
+    finally:
+        gateway.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`stemma serve`: an engine process and a gateway process, started and watched together.
+
+    serve ─┬─ python -m stemma.engine.process   (model, scheduler, radix cache)
+           └─ python -m stemma.serve.gateway          (clients, tokenizer, detokenizer)
+
+The two talk over ipc sockets in a private temporary folder. Each child gets its spec as JSON on
+stdin (never on the command line, where the API key would show in `ps`). SIGINT and SIGTERM stop
+both children (the gateway first, so that waiting clients hear why). If either child dies, the
+other is stopped and `serve` exits with status 1. Children also exit by themselves when `serve`
+disappears.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from stemma.engine_config import EngineConfig
+from stemma.protocol.messages import DEFAULT_MAX_FRAME_BYTES
+
+API_KEY_ENV = "STEMMA_API_KEY"
+STOP_GRACE_S = 10.0
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"          # other hosts expose the server: set an API key then
+    port: int = 30000
+    api_key: str | None = None       # a shared token checked on every message (or $STEMMA_API_KEY)
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+
+    def __post_init__(self):
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+
+def _spawn(module: str, spec: dict[str, Any]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE)
+    proc.stdin.write(json.dumps(spec).encode())
+    proc.stdin.close()
+    return proc
+
+
+class ServerProcesses:
+    """The engine and gateway processes of one server. `address` None: an ipc path of their own."""
+
+    def __init__(self, engine: EngineConfig, address: str | None = None, api_key: str | None = None,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.folder = tempfile.mkdtemp(prefix="stemma-")  # mode 0700: only we reach the ipc paths
+        self.address = address or f"ipc://{self.folder}/client"
+        self.api_key = api_key
+        requests, outputs = f"ipc://{self.folder}/requests", f"ipc://{self.folder}/outputs"
+        self.engine = _spawn("stemma.engine.process", {
+            "engine": dataclasses.asdict(engine), "requests": requests, "outputs": outputs})
+        self.gateway = _spawn("stemma.serve.gateway", {
+            "address": self.address, "requests": requests, "outputs": outputs,
+            "engine_pid": self.engine.pid, "api_key": api_key, "max_frame_bytes": max_frame_bytes})
+
+    def exited(self) -> str | None:
+        """Which child has exited, with its status, or None while both run."""
+        for name, proc in (("engine", self.engine), ("gateway", self.gateway)):
+            if proc.poll() is not None:
+                return f"the {name} process exited with status {proc.returncode}"
+        return None
+
+    def wait_ready(self, timeout: float | None, stopping: Callable[[], bool] = lambda: False) -> bool:
+        """Waits until the server answers health checks; False if told to stop first. Raises
+        RuntimeError if a child exits first, TimeoutError after `timeout` seconds."""
+        from stemma.client.sync import connect
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with connect(self.address, self.api_key) as client:
+            while not stopping():
+                died = self.exited()
+                if died:
+                    raise RuntimeError(f"stemma server failed to start: {died}")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"stemma server not ready after {timeout:g} s")
+                if client.health(timeout=0.5):
+                    return True
+        return False
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM to the gateway, then the engine; SIGKILL for whatever outlives `grace`."""
+        for proc in (self.gateway, self.engine):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace
+        for proc in (self.gateway, self.engine):
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def serve(engine: EngineConfig, config: ServeConfig) -> int:
+    """Runs a server until SIGINT/SIGTERM (status 0) or until a child dies (status 1)."""
+    api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
+    if config.host not in LOOPBACK and api_key is None:
+        print(f"stemma: warning: serving on {config.host} without an API key", file=sys.stderr)
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    procs = ServerProcesses(engine, config.address, api_key, config.max_frame_bytes)
+    try:
+        try:
+            if procs.wait_ready(None, lambda: stop["signal"] is not None):
+                print(f"stemma: serving {engine.model or 'the default model'} at {config.address}",
+                      file=sys.stderr, flush=True)
+        except RuntimeError as exc:
+            print(f"stemma: error: {exc}", file=sys.stderr)
+            return 1
+        while stop["signal"] is None:
+            died = procs.exited()
+            if died:
+                print(f"stemma: error: {died}; shutting down", file=sys.stderr)
+                return 1
+            time.sleep(0.1)
+        return 0
+    finally:
+        procs.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,53 @@
+"""`stemma.Runtime`: a private server (engine + gateway child processes) for this program.
+
+    with stemma.Runtime() as rt:                 # the default model
+        print(rt.client.generate("Hello", {"max_new_tokens": 8}).text)
+
+It listens on an ipc path in a private temporary folder, so nothing else on the machine can reach
+it. The children stop on `close()`, on leaving the `with` block, at interpreter exit, and by
+themselves if this process dies.
+"""
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+from stemma.client.sync import Client, connect
+from stemma.engine_config import EngineConfig
+from stemma.serve.launch import ServerProcesses
+
+
+class Runtime:
+    def __init__(self, model: str | None = None, *, start_timeout: float | None = 600.0,
+                 **engine_config: Any):
+        """`engine_config` takes the fields of EngineConfig, as Engine does; they are checked here,
+        before any process starts."""
+        config = EngineConfig.from_kwargs(model=model, **engine_config)
+        self._procs: ServerProcesses | None = ServerProcesses(config)
+        atexit.register(self.close)
+        try:
+            self._procs.wait_ready(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.address = self._procs.address
+        self.client: Client = connect(self.address)
+
+    @property
+    def running(self) -> bool:
+        return self._procs is not None and self._procs.exited() is None
+
+    def close(self) -> None:
+        if self._procs is None:
+            return
+        if hasattr(self, "client"):
+            self.client.close()
+        self._procs.stop()
+        self._procs = None
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
