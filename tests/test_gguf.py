@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from stemma.models import gguf_cache
+from stemma.loader.gguf import cache as gguf_cache
 from stemma.loader.gguf.dequant import SUPPORTED_TYPES, dequantize
 from stemma.loader.gguf.index import GGUFIndex, read_index
 from stemma.loader.gguf.loader import default_model_path, load_gguf

@@ -132,6 +132,12 @@ class RadixCache:
         self.tree.reset()
         return True
 
+    def usage(self) -> dict[str, int | float]:
+        """The pool's slots: total, free, held by the tree, and the share in use."""
+        alloc = self.allocator
+        return {"pool_total": alloc.total, "pool_free": alloc.available,
+                "pool_cached": self.tree.total_size, "pool_usage": 1.0 - alloc.available / alloc.total}
+
     def check_pool_whole(self, held_by_requests: int) -> None:
         """Asserts free + tree-held + held_by_requests == total, where `held_by_requests` counts
         the slots running requests own (not the tree's slots they read)."""

@@ -16,6 +16,9 @@ Invariants (see `check_invariants`):
 - eviction removes unlocked leaves only, least recently used first, so a locked node and its
   ancestors stay in the tree.
 
+`version` changes whenever an insert adds tokens or an eviction removes some, so a match made at
+one version is still exact while the version stands (a split changes no match: it keeps depths).
+
 The tree never frees slots itself: `evict` returns them, and `insert` tells the caller how long
 a prefix was already present, whose slots the caller then frees.
 """
@@ -28,6 +31,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 
 Key = tuple[int, ...]
+_VERSIONS = itertools.count(1)  # `RadixTree.version` values, never reused by any tree
 
 
 def as_key(tokens: Sequence[int] | torch.Tensor) -> Key:
@@ -99,6 +103,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._evictable = 0
         self._protected = 0
+        self.version = next(_VERSIONS)
 
     @property
     def evictable_size(self) -> int:
@@ -150,6 +155,7 @@ class RadixTree:
             node.children[leaf.key[0]] = leaf
             leaf.last_access = next(self._clock)
             self._evictable += len(leaf.key)
+            self.version = next(_VERSIONS)
         return present
 
     def inc_lock(self, node: Node) -> None:
@@ -190,6 +196,8 @@ class RadixTree:
             count += len(leaf.key)
             if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(tie), parent))
+        if freed:
+            self.version = next(_VERSIONS)
         return torch.cat(freed) if freed else self._empty()
 
     def path_slots(self, node: Node) -> torch.Tensor:

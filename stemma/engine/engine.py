@@ -1,7 +1,6 @@
 """`stemma.Engine`: the in-process engine, for offline batches, tests and the engine process."""
 from __future__ import annotations
 
-import itertools
 import json
 import time
 import uuid
@@ -10,16 +9,22 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from stemma.text.detokenizer import TextStream
-from stemma.engine_config import EngineConfig
-from stemma.executor.runner import ModelRunner, RunnerConfig
-from stemma.loader.model import load_model
-from stemma.outputs import RequestOutput
+from stemma.cache.radix_cache import RadixCache
+from stemma.constrained.constrainer import Constrainer
+from stemma.engine.output import request_output
 from stemma.engine.request import Request
-from stemma.engine.output import request_meta
 from stemma.engine.scheduler import Scheduler
+from stemma.engine.stop import StopRule
+from stemma.engine_config import EngineConfig
+from stemma.executor.executor import Executor
+from stemma.executor.runner import ModelRunner, RunnerConfig
+from stemma.loader.model import LoadedModel, load_model
+from stemma.outputs import RequestOutput
+from stemma.sampling.sampler import Sampler
 from stemma.sampling.seeded_noise import sibling_seed
 from stemma.sampling_params import SamplingParams
+from stemma.text.detokenizer import TextStream
+from stemma.text.publisher import Publisher
 
 Prompt = str | Sequence[int]
 
@@ -30,7 +35,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def eos_ids(loaded) -> tuple[int, ...]:
+def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
     """EOS ids of the config, the tokenizer, and generation_config.json when the folder has one."""
     values = [getattr(loaded.config, "eos_token_id", None), getattr(loaded.tokenizer, "eos_token_id", None)]
     gen = Path(loaded.source) / "generation_config.json"
@@ -52,7 +57,7 @@ def as_params(params: SamplingParams | dict | None) -> SamplingParams:
     return params
 
 
-def is_single(prompts: Any) -> bool:
+def is_single(prompts: object) -> bool:
     return isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0
                                         and all(isinstance(t, int) for t in prompts))
 
@@ -62,20 +67,31 @@ class Engine:
 
     `Engine(model=None, **config)`: `model` is a GGUF file or Hugging Face folder (None: the default
     Gemma 3 270M); `config` takes the fields of `EngineConfig`.
+
+    One step is three calls: `plan = scheduler.schedule()` (what runs; slots allocated),
+    `out = executor.run(plan)` (forward and sampling), `scheduler.postprocess(plan, out)` (books
+    tokens, stops and finishes). The engine owns the model runner, the sampler and the forward.
     """
 
     def __init__(self, model: str | None = None, **config: Any):
-        self.config = EngineConfig.from_kwargs(model=model, **config)
-        device = resolve_device(self.config.device)
-        self.loaded = load_model(self.config.model, self.config.dtype, device)
+        self.config = cfg = EngineConfig.from_kwargs(model=model, **config)
+        device = resolve_device(cfg.device)
+        self.loaded = load_model(cfg.model, cfg.dtype, device)
         self.tokenizer = self.loaded.tokenizer
-        cfg = self.config
         self.runner = ModelRunner(self.loaded, RunnerConfig(
             kv_pool_tokens=cfg.kv_pool_tokens, max_running_requests=cfg.max_running_requests,
             max_context=cfg.max_context, attention_backend=cfg.attention_backend))
         self.eos_token_ids = eos_ids(self.loaded)
-        self.scheduler = Scheduler(self.runner, cfg, self.eos_token_ids, self.tokenizer)
-        self._ids = itertools.count()
+        generator = None
+        if cfg.random_seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(cfg.random_seed)
+        self.sampler = Sampler(generator)
+        self.constrainer = Constrainer(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids,
+                                       cfg.enable_jump_forward, cfg.constraint_cache_size)
+        self.cache = RadixCache(self.runner.pool.allocator, self.runner.req_to_slot, cfg.enable_radix_cache)
+        self.scheduler = Scheduler(cfg, self.cache, self.runner.req_to_slot, self.constrainer,
+                                   StopRule(self.eos_token_ids, self.runner.max_context, self.tokenizer))
+        self.executor = Executor(self.runner, self.sampler, self.constrainer, self.eos_token_ids)
 
     # ---- requests ----
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -95,12 +111,10 @@ class Engine:
 
     def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None, *,
                rid: str | None = None, salt: str | None = None) -> list[Request]:
-        """Queues a prompt; returns its `params.n` requests."""
+        """Queues a prompt; returns its `params.n` requests. A ValueError (a bad prompt, one too
+        long for the context, a bad constraint) queues none of them."""
         params = as_params(params)
         ids = self.tokenize(prompt)
-        max_ctx = self.runner.max_context
-        if len(ids) >= max_ctx:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {max_ctx} tokens")
         rid = rid or uuid.uuid4().hex
         reqs = []
         for i in range(params.n):
@@ -109,12 +123,28 @@ class Engine:
                 p = params.replace(n=1, seed=None if params.seed is None else sibling_seed(params.seed, i))
             reqs.append(Request(rid=rid if params.n == 1 else f"{rid}-{i}", input_ids=ids, params=p,
                                 salt=salt))
-        for req in reqs:
+        for req in reqs:  # the first add checks what every sibling shares, so none or all queue
             self.scheduler.add(req)
         return reqs
 
     def step(self) -> list[Request]:
-        return self.scheduler.step()
+        """One step if there is work; returns the requests that got output or finished."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return plan.finished
+        out = self.executor.run(plan)
+        touched = self.scheduler.postprocess(plan, out)
+        counters = self.scheduler.counters
+        counters.steps += 1
+        counters.busy_time += time.perf_counter() - start
+        return touched
+
+    def wait_for_work(self, timeout: float | None = None) -> None:
+        """After a step that ran nothing: blocks until something may run, or `timeout` seconds
+        (default: the scheduler's idle_timeout, computed now) pass. With a timeout given it reads
+        no engine state, so it may run on another thread (the frontend's backend does)."""
+        self.scheduler.wait(self.scheduler.idle_timeout() if timeout is None else timeout)
 
     def abort(self, rid: str) -> Request | None:
         return self.scheduler.abort(rid)
@@ -122,7 +152,7 @@ class Engine:
     def run_until_done(self, reqs: Sequence[Request]) -> None:
         while not all(r.finished for r in reqs):
             if not self.step():
-                time.sleep(0.0005)  # dynamic batching: the batch window is still open
+                self.wait_for_work()  # a batch window is open, or a guide is being built
 
     # ---- the public API ----
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -147,39 +177,34 @@ class Engine:
         if params.n != 1:
             raise ValueError(f"n must be 1 when streaming, got {params.n}")
         (req,) = self.submit(prompt, params)
-        text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, req.input_ids)
-        sent = 0
+        publisher = Publisher(self.text_stream(req))
         try:
             while not req.finished:
                 if not self.step():
-                    time.sleep(0.0005)
-                if len(req.output_ids) > sent:
-                    delta = text.push(req.output_ids[sent:])
-                    sent = len(req.output_ids)
-                    if delta:
-                        yield delta
-            tail = text.finish()
+                    self.wait_for_work()
+                delta = publisher.push(req.output_ids)
+                if delta:
+                    yield delta
+            tail = publisher.finish()
             if tail:
                 yield tail
         finally:
             if not req.finished:
                 self.abort(req.rid)
 
+    def text_stream(self, req: Request) -> TextStream:
+        """A text stream of req's output, as the gateway would make it."""
+        return TextStream.of(self.tokenizer, req.params, req.input_ids)
+
     def output(self, req: Request) -> RequestOutput:
-        p = req.params
         text = ""
         if req.stop_tracker is not None:
             req.stop_tracker.finish()
             text = req.stop_tracker.text
         elif self.tokenizer is not None:  # decoded as the stream decodes it, after the prompt
-            stream = TextStream(self.tokenizer, (), p.skip_special_tokens, req.input_ids)
+            stream = TextStream(self.tokenizer, (), req.params.skip_special_tokens, req.input_ids)
             text = stream.push(req.output_ids) + stream.finish()
-        return RequestOutput(
-            rid=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
-            logprobs=list(req.output_logprobs) if p.logprobs else None,
-            top_logprobs=list(req.output_top_logprobs) if p.top_logprobs else None,
-            prompt_logprobs=list(req.prompt_logprobs) if p.logprob_start is not None else None,
-            meta=request_meta(req))
+        return request_output(req, text)
 
     # ---- cache and stats ----
     def flush_cache(self) -> bool:
@@ -187,9 +212,7 @@ class Engine:
         return self.scheduler.flush_cache()
 
     def stats(self) -> dict[str, Any]:
-        s = self.scheduler
-        c = s.counters
-        alloc = s.cache.allocator
+        c = self.scheduler.counters
         return {
             "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             "prompt_tokens": c.prompt_tokens,
@@ -198,14 +221,10 @@ class Engine:
             "tokens_per_s": c.generated_tokens / c.busy_time if c.busy_time else 0.0,
             "steps": c.steps,
             "retractions": c.retractions,
-            "queue": len(s.waiting),
-            "running": len(s.running),
-            "pool_total": alloc.total,
-            "pool_free": alloc.available,
-            "pool_cached": s.cache.tree.total_size,
-            "pool_usage": 1.0 - alloc.available / alloc.total,
+            **self.scheduler.stats(),
+            **self.cache.usage(),
         }
 
     def check_pool_whole(self) -> None:
-        """Asserts free + tree-held + request-held slots == total."""
+        """Raises AssertionError unless free + tree-held + request-held slots == total."""
         self.scheduler.check_pool_whole()

@@ -1,10 +1,12 @@
-"""The meta dict of a finished request: token counts and timings, as RequestOutput.meta holds them."""
+"""A request turned into what it returns: its RequestOutput, and the meta dict of token counts
+and timings. The one place this is done; the engine process sends it on (protocol.Finished.of)."""
 from __future__ import annotations
 
 import time
 from typing import Any
 
 from stemma.engine.request import Request
+from stemma.outputs import RequestOutput
 
 
 def request_meta(req: Request) -> dict[str, Any]:
@@ -20,3 +22,15 @@ def request_meta(req: Request) -> dict[str, Any]:
     if req.error is not None:  # finish_reason "error": why (a constraint that failed to build)
         meta["error"] = req.error
     return meta
+
+
+def request_output(req: Request, text: str = "") -> RequestOutput:
+    """What `req` returns; `text` is its decoded output (the engine process leaves it to the
+    gateway). Fields a request did not ask for (logprobs, ...) are None."""
+    p = req.params
+    return RequestOutput(
+        rid=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
+        logprobs=list(req.output_logprobs) if p.logprobs else None,
+        top_logprobs=list(req.output_top_logprobs) if p.top_logprobs else None,
+        prompt_logprobs=list(req.prompt_logprobs) if p.logprob_start is not None else None,
+        meta=request_meta(req))

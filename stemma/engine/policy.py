@@ -10,32 +10,59 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import wraps
 from typing import Callable, Sequence
 
+from stemma.cache.radix_tree import Node
 from stemma.engine.request import Request
+from stemma.registry import POLICIES
 
-MatchFn = Callable[[Request], tuple[int, object]]  # request -> (cached length, radix node)
+Matched = tuple[int, Node]  # (cached length, radix node)
+MatchFn = Callable[[Request], Matched]
+OrderFn = Callable[[list[Request], MatchFn, int], list[Request]]
 
 
 def order(waiting: Sequence[Request], policy: str, match: MatchFn, fallback_len: int) -> list[Request]:
     reqs = list(waiting)
-    if policy == "fcfs" or len(reqs) <= 1:
+    if len(reqs) <= 1:
         return reqs
-    if policy == "sjf":
-        return sorted(reqs, key=lambda r: (r.extend_len + r.remaining_new_tokens, r.arrival))
-    if len(reqs) > fallback_len:
-        return reqs
-    matched = {id(r): match(r) for r in reqs}
-    if policy == "lpm":
-        return sorted(reqs, key=lambda r: (-matched[id(r)][0], r.arrival))
-    return _dfs_weight(reqs, matched)
+    return POLICIES.get(policy)(reqs, match, fallback_len)
 
 
-def _dfs_weight(reqs: list[Request], matched: dict) -> list[Request]:
+def _matching(rank: Callable[[list[Request], dict[int, Matched]], list[Request]]) -> OrderFn:
+    """A policy that ranks by each request's radix-tree match; past `fallback_len` waiting
+    requests matching them all every step costs too much, and they keep arrival order."""
+    @wraps(rank)
+    def ordered(reqs: list[Request], match: MatchFn, fallback_len: int) -> list[Request]:
+        if len(reqs) > fallback_len:
+            return reqs
+        return rank(reqs, {id(r): match(r) for r in reqs})
+    return ordered
+
+
+@POLICIES.register("fcfs")
+def _fcfs(reqs: list[Request], match: MatchFn, fallback_len: int) -> list[Request]:
+    return reqs
+
+
+@POLICIES.register("sjf")
+def _sjf(reqs: list[Request], match: MatchFn, fallback_len: int) -> list[Request]:
+    return sorted(reqs, key=lambda r: (r.extend_len + r.remaining_new_tokens, r.arrival))
+
+
+@POLICIES.register("lpm")
+@_matching
+def _lpm(reqs: list[Request], matched: dict[int, Matched]) -> list[Request]:
+    return sorted(reqs, key=lambda r: (-matched[id(r)][0], r.arrival))
+
+
+@POLICIES.register("dfs-weight")
+@_matching
+def _dfs_weight(reqs: list[Request], matched: dict[int, Matched]) -> list[Request]:
     at_node: dict[int, list[Request]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
-    nodes = {}
-    roots = {}
+    nodes: dict[int, Node] = {}
+    roots: dict[int, Node] = {}
     for r in reqs:
         node = matched[id(r)][1]
         at_node[id(node)].append(r)

@@ -13,50 +13,44 @@ EngineConfig fields), `requests` and `outputs` (the gateway's addresses).
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
 
 from stemma import protocol as P
+from stemma.log import configure as configure_logging
 from stemma.serve.proc_watch import ParentWatch
 from stemma.engine.request import Request
-from stemma.engine.output import request_meta
+from stemma.engine.output import request_output
+from stemma.text.publisher import Publisher
 
 IDLE_POLL_MS = 250
 MAX_INTAKE = 512          # messages taken in between two steps, so that steps are not starved
 SEND_TIMEOUT_MS = 10_000  # a gateway that stops reading for this long is taken for dead
 
+logger = logging.getLogger("stemma.engine.process")  # not __name__: that is __main__ under -m
+
 
 @dataclass
 class Live:
-    """A running sequence: the gateway's request id, its index among `n`, and how much was sent."""
+    """A running sequence: the gateway's request id, its index among `n`, and what was sent."""
     req: Request
     rid: str
     index: int
     stream: bool
-    sent: int = 0
+    published: Publisher = field(default_factory=Publisher)
 
 
-def _chunk(live: Live) -> P.TokenChunk:
-    req, start = live.req, live.sent
-    live.sent = len(req.output_ids)
+def _chunk(live: Live, new: slice) -> P.TokenChunk:
+    req = live.req
     return P.TokenChunk(
-        rid=live.rid, index=live.index, token_ids=req.output_ids[start:],
-        logprobs=req.output_logprobs[start:] if req.params.logprobs else None,
-        top_logprobs=[list(t) for t in req.output_top_logprobs[start:]] if req.params.top_logprobs else None)
-
-
-def _finished(live: Live) -> P.Finished:
-    req, p = live.req, live.req.params
-    return P.Finished(
-        rid=live.rid, index=live.index, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
-        logprobs=list(req.output_logprobs) if p.logprobs else None,
-        top_logprobs=[list(t) for t in req.output_top_logprobs] if p.top_logprobs else None,
-        prompt_logprobs=list(req.prompt_logprobs) if p.logprob_start is not None else None,
-        meta=request_meta(req))
+        rid=live.rid, index=live.index, token_ids=req.output_ids[new],
+        logprobs=req.output_logprobs[new] if req.params.logprobs else None,
+        top_logprobs=[list(t) for t in req.output_top_logprobs[new]] if req.params.top_logprobs else None)
 
 
 class EngineLoop:
@@ -91,9 +85,11 @@ class EngineLoop:
         try:
             reqs = self.engine.submit(prompt, msg.params, rid=msg.rid, salt=msg.salt)
         except ValueError as exc:
+            logger.debug("request %s rejected: %s", msg.rid, exc)
             self.outbox.append(P.ErrorMsg(rid=msg.rid, code=P.BAD_REQUEST, message=str(exc)))
             return
         self.groups[msg.rid] = [r.rid for r in reqs]
+        logger.debug("request %s taken in: %d sequences", msg.rid, len(reqs))
         for i, req in enumerate(reqs):
             self.live[req.rid] = Live(req, msg.rid, i, msg.stream)
 
@@ -111,10 +107,11 @@ class EngineLoop:
     # ---- output ----
     def _publish(self, live: Live) -> None:
         """Queues what `live` produced since the last call, and its end once finished."""
-        if live.stream and len(live.req.output_ids) > live.sent:
-            self.outbox.append(_chunk(live))
+        new = live.published.take(live.req.output_ids) if live.stream else None
+        if new is not None:
+            self.outbox.append(_chunk(live, new))
         if live.req.finished:
-            self.outbox.append(_finished(live))
+            self.outbox.append(P.Finished.of(request_output(live.req), live.rid, live.index))
             del self.live[live.req.rid]
             group = self.groups[live.rid]
             group.remove(live.req.rid)
@@ -172,6 +169,7 @@ def _connect(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
 
 def main(spec_json: str | None = None) -> int:
     spec = json.loads(spec_json if spec_json is not None else sys.stdin.read())
+    configure_logging(spec.get("log_level", "warning"), prefix="stemma engine")
     stop = {"now": False}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # `serve` turns Ctrl-C into SIGTERM for us
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -181,7 +179,7 @@ def main(spec_json: str | None = None) -> int:
     try:
         engine = Engine(**spec["engine"])
     except (ValueError, FileNotFoundError, ImportError) as exc:
-        print(f"stemma engine: error: {exc}", file=sys.stderr)
+        logger.error("%s", exc)
         return 2
     ctx = zmq.Context()
     requests = _connect(ctx, zmq.PULL, spec["requests"])
@@ -189,10 +187,11 @@ def main(spec_json: str | None = None) -> int:
     loop = EngineLoop(engine, requests, outputs)
     loop.send(P.EngineReady(model=str(engine.loaded.source), context_length=engine.runner.max_context,
                              vocab_size=engine.loaded.spec.vocab_size))
+    logger.debug("ready: %s, context length %d", engine.loaded.source, engine.runner.max_context)
     try:
         loop.run(lambda: stop["now"] or parent.orphaned())
     except zmq.Again:
-        print("stemma engine: the gateway stopped reading; exiting", file=sys.stderr)
+        logger.error("the gateway stopped reading; exiting")
         return 1
     finally:
         ctx.destroy(linger=0)

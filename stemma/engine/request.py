@@ -4,9 +4,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stemma.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from stemma.cache.radix_tree import Node
+    from stemma.constrained.guide import Guide
+    from stemma.text.detokenizer import TextStream
 
 
 class ReqState(Enum):
@@ -34,7 +39,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     row: int | None = None
-    node: Any = None                 # the locked radix node while running
+    node: Node | None = None         # the locked radix node while running
     kv_len: int = 0
     cached_tokens: int = 0           # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
@@ -44,8 +49,8 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_logprobs_done: bool = False
-    stop_tracker: Any = None         # StopTextTracker + detokenizer when params.stop is set
-    constraint: Any = None           # the guide of a regex/json_schema/grammar request, once built
+    stop_tracker: TextStream | None = None  # made on first use when params.stop is set (engine.stop)
+    constraint: Guide | None = None  # the guide of a regex/json_schema/grammar request, once built
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

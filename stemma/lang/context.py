@@ -4,25 +4,29 @@ from __future__ import annotations
 
 import contextvars
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from stemma.lang.backends.base import Backend
+
+if TYPE_CHECKING:
+    from stemma.client.sync import Client
+    from stemma.engine.engine import Engine
+    from stemma.serve.runtime import Runtime
+
+BackendLike: TypeAlias = "Backend | Client | Runtime | Engine | str"  # what as_backend takes
 
 _DEFAULT: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("stemma_backend", default=None)
 
 
-def as_backend(value: Any) -> Backend:
+def as_backend(value: BackendLike) -> Backend:
     """A Backend for: a Backend, a client (stemma.connect), a stemma.Runtime, a stemma.Engine, or
     a server address."""
     if isinstance(value, Backend):
         return value
-    from stemma.lang.backends.remote import RemoteBackend
-    from stemma.client.sync import Client
-    if isinstance(value, (Client, str)):
-        return RemoteBackend(value)
-    runtime = sys.modules.get("stemma.serve.runtime")
-    if runtime is not None and isinstance(value, runtime.Runtime):
-        return RemoteBackend(value.client)
+    from stemma.lang.backends.remote import remote_backend_for
+    backend = remote_backend_for(value)
+    if backend is not None:
+        return backend
     engine = sys.modules.get("stemma.engine.engine")
     if engine is not None and isinstance(value, engine.Engine):
         from stemma.lang.backends.engine import EngineBackend
@@ -31,14 +35,14 @@ def as_backend(value: Any) -> Backend:
                     f"got {type(value).__name__}")
 
 
-def set_default_backend(value: Any) -> Backend:
+def set_default_backend(value: BackendLike) -> Backend:
     """Makes `value` (see as_backend) the backend of programs run in this context from now on."""
     backend = as_backend(value)
     _DEFAULT.set(backend)
     return backend
 
 
-def get_backend(value: Any = None) -> Backend:
+def get_backend(value: BackendLike | None = None) -> Backend:
     if value is not None:
         return as_backend(value)
     backend = _DEFAULT.get()

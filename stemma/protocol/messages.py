@@ -9,9 +9,11 @@ between the gateway and the engine, as the body alone.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
 __all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'HealthOk', 'EngineReady', 'Batch', 'CLIENT_REQUESTS']
@@ -138,6 +140,21 @@ class Finished(Message):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, out: RequestOutput, rid: str, index: int = 0) -> Finished:
+        """The message carrying `out` as sequence `index` of request `rid`."""
+        return cls(rid=rid, index=index, **{name: getattr(out, name) for name in _OUTPUT_FIELDS})
+
+    def output(self, rid: str) -> RequestOutput:
+        """The RequestOutput this message carries, under request id `rid`."""
+        fields = {name: getattr(self, name) for name in _OUTPUT_FIELDS}
+        if self.top_logprobs is not None:  # msgpack has no tuples: (token id, logprob) pairs again
+            fields["top_logprobs"] = [[tuple(t) for t in pos] for pos in self.top_logprobs]
+        return RequestOutput(rid=rid, **fields)
+
+
+_OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name != "rid")
 
 
 @dataclass(frozen=True, kw_only=True)

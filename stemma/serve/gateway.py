@@ -19,16 +19,18 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 import signal
 import sys
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
 
 from stemma import protocol as P
+from stemma.log import check_level, configure as configure_logging
 from stemma.text.detokenizer import TextStream
+from stemma.text.tokenizer import load_tokenizer, preload_tokenizers
 from stemma.serve.routes import Pending, Routes
 from stemma.serve.peer_watch import PeerWatch, configure
 from stemma.serve.proc_watch import ParentWatch, ProcessWatch
@@ -39,6 +41,8 @@ INTERNAL_HWM = 100_000    # frames queued towards the engine before clients are 
 CLOSE_LINGER_MS = 1000    # time given to final replies (errors) to reach clients on exit
 EXIT_ENGINE_DEAD = 3
 
+logger = logging.getLogger("stemma.serve.gateway")  # not __name__: that is __main__ under -m
+
 
 @dataclass(frozen=True)
 class GatewaySpec:
@@ -48,12 +52,14 @@ class GatewaySpec:
     engine_pid: int
     api_key: str | None = None
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
+    log_level: str = "warning"     # one of stemma.log.LEVELS
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
+        check_level(self.log_level)
 
 
 def _bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
@@ -87,7 +93,6 @@ class Gateway:
         return None
 
     def open(self, ready: P.EngineReady) -> None:
-        from stemma.text.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(ready.model)
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
@@ -96,6 +101,7 @@ class Gateway:
         self.peers = PeerWatch(router)
         router.bind(self.spec.address)
         self.router = router
+        logger.debug("listening at %s for %s", self.spec.address, ready.model)
 
     # ---- the loop ----
     def run(self, stopping: Callable[[], bool], orphaned: Callable[[], bool]) -> int:
@@ -142,6 +148,7 @@ class Gateway:
         self.router.send_multipart([peer, P.encode(msg)])
 
     def error(self, peer: bytes, rid: str, code: str, message: str) -> None:
+        logger.debug("request %r: replying %s: %s", rid, code, message)
         self.reply(peer, P.ErrorMsg(rid=rid, code=code, message=message))
 
     def fail_all(self, code: str, message: str) -> None:
@@ -154,7 +161,7 @@ class Gateway:
         try:
             self.on_client(frames)
         except Exception as exc:
-            traceback.print_exc()
+            logger.exception("internal error while handling a client message")
             self.error(frames[0].bytes, "", P.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def on_client(self, frames: list[zmq.Frame]) -> None:
@@ -188,6 +195,8 @@ class Gateway:
         except ValueError as exc:
             self.error(peer, msg.rid, P.BAD_REQUEST, str(exc))
             return
+        logger.debug("request %r received: %d prompt tokens, n=%d, stream=%s",
+                     msg.rid, len(ids), msg.params.n, msg.stream)
         pending = Pending(peer, msg.rid, msg.TAG, msg.stream, msg.params.n, ids, msg.params)
         self.forward(peer, dataclasses.replace(msg, prompt=None, input_ids=ids), pending)
 
@@ -206,6 +215,8 @@ class Gateway:
         except ValueError as exc:
             self.error(peer, pending.rid, P.BAD_REQUEST, str(exc))
             return
+        if pending.kind != P.Health.TAG:  # health probes come many a second: not worth a line each
+            logger.debug("request %r (%s): routed to engine id %s", pending.rid, pending.kind, gid)
         if not self.to_engine(peer, pending.rid, dataclasses.replace(msg, rid=gid)):
             self.routes.pop(gid)
 
@@ -219,7 +230,11 @@ class Gateway:
 
     def drop_peer(self, peer: bytes) -> None:
         """A client went away: abort its generate requests, forget the rest."""
-        for gid, pending in self.routes.pop_peer(peer):
+        dropped = self.routes.pop_peer(peer)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("client %s gone: dropping %d requests %s", peer.hex(), len(dropped),
+                         [pending.rid for _, pending in dropped])
+        for gid, pending in dropped:
             if pending.kind == P.GenerateReq.TAG:
                 self.to_engine(peer, pending.rid, P.Abort(rid=gid))
 
@@ -236,6 +251,9 @@ class Gateway:
             elif isinstance(item, P.Finished):
                 self.on_finished(item, pending)
             else:  # an error, or the answer to a control request: the request's last word
+                if isinstance(item, P.ErrorMsg):
+                    logger.debug("request %r: the engine replied %s: %s", pending.rid, item.code,
+                                 item.message)
                 self.routes.pop(item.rid)
                 self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid))
 
@@ -251,32 +269,33 @@ class Gateway:
                                                       text=tail))
             text = stream.text
         self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid, text=text))
+        logger.debug("request %r finished (sequence %d of %d): %s, %d tokens", pending.rid,
+                     item.index + 1, pending.n, item.finish_reason, len(item.token_ids))
         pending.done += 1
         if pending.done == pending.n:
             self.routes.pop(item.rid)
 
     def text(self, pending: Pending, index: int) -> TextStream:
         if index not in pending.texts:
-            p = pending.params
-            pending.texts[index] = TextStream(self.tokenizer, p.stop, p.skip_special_tokens,
-                                              pending.input_ids)
+            pending.texts[index] = TextStream.of(self.tokenizer, pending.params, pending.input_ids)
         return pending.texts[index]
 
 
 def main(spec_json: str | None = None) -> int:
     spec = GatewaySpec(**json.loads(spec_json if spec_json is not None else sys.stdin.read()))
+    configure_logging(spec.log_level, prefix="stemma gateway")
     stop = {"now": False}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # `serve` turns Ctrl-C into SIGTERM for us
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     parent = ParentWatch()
-    from transformers import AutoTokenizer  # noqa: F401  (slow to import: do it while the engine loads)
+    preload_tokenizers()  # slow to import: do it while the engine loads
     ctx = zmq.Context()
     gateway = Gateway(spec, ctx)
     try:
         ready = gateway.wait_engine(lambda: stop["now"] or parent.orphaned())
         if ready is None:
             if gateway.engine.exited():
-                print("stemma gateway: the engine exited before it was ready", file=sys.stderr)
+                logger.error("the engine exited before it was ready")
                 return EXIT_ENGINE_DEAD
             return 0
         gateway.open(ready)

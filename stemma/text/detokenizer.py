@@ -4,7 +4,10 @@ Used by the in-process engine and by the gateway, so both produce the same text.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalDetokenizer:
@@ -15,7 +18,8 @@ class IncrementalDetokenizer:
     incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context: Sequence[int] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True,
+                 context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = list(context[-4:])  # a little prompt context for the first delta
@@ -93,10 +97,16 @@ class StopTextTracker:
 class TextStream:
     """Token ids in, streamable text out: incremental detokenization plus stop-string trimming."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), skip_special_tokens: bool = True,
-                 context: Sequence[int] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: Sequence[str] = (),
+                 skip_special_tokens: bool = True, context: Sequence[int] = ()):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context)
         self.stops = StopTextTracker(stops)
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams, context: Sequence[int]) -> TextStream:
+        """The stream of a request's output text: its stop strings and special-token rule, with
+        the prompt `context` before the first token."""
+        return cls(tokenizer, params.stop, params.skip_special_tokens, context)
 
     def push(self, token_ids: Sequence[int]) -> str:
         return self.stops.add(self.detok.push(token_ids))

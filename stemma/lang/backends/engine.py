@@ -9,25 +9,29 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from stemma.lang.backends.base import Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
+from stemma.text.publisher import Publisher
+
+if TYPE_CHECKING:
+    from stemma.engine.engine import Engine
+    from stemma.engine.request import Request
 
 
 @dataclass
 class _Waiter:
-    req: Any                # the engine's Request
+    req: Request
     future: asyncio.Future
     on_text: OnText | None = None
-    stream: Any = None      # a TextStream when on_text is set
-    sent: int = 0
+    published: Publisher | None = None  # with a text stream, when on_text is set
 
 
 class EngineBackend(Backend):
-    def __init__(self, engine: Any = None, **engine_config: Any):
+    def __init__(self, engine: Engine | None = None, **engine_config: Any):
         """`engine`: a stemma.Engine; None starts one from `engine_config` (EngineConfig fields)."""
         if engine is None:
             from stemma.engine.engine import Engine
@@ -50,9 +54,7 @@ class EngineBackend(Backend):
         (req,) = self.engine.submit(ids, params)
         waiter = _Waiter(req, loop.create_future(), on_text)
         if on_text is not None:
-            from stemma.text.detokenizer import TextStream
-            waiter.stream = TextStream(self.engine.tokenizer, params.stop, params.skip_special_tokens,
-                                       req.input_ids)
+            waiter.published = Publisher(self.engine.text_stream(req))
         self._waiting[req.rid] = waiter
         if self._driver is None or self._driver.done() or self._driver.get_loop() is not loop:
             self._driver = loop.create_task(self._drive())
@@ -76,21 +78,21 @@ class EngineBackend(Backend):
                 return
             for waiter in list(self._waiting.values()):
                 self._publish(waiter)
-            if not stepped:
-                await asyncio.sleep(0.0005)  # dynamic batching: the batch window is still open
+            if not stepped:  # a batch window is open, or a guide is being built: wait off the
+                timeout = self.engine.scheduler.idle_timeout()  # loop; a submit wakes it
+                await asyncio.to_thread(self.engine.wait_for_work, timeout)
 
     def _publish(self, waiter: _Waiter) -> None:
         req = waiter.req
-        if waiter.stream is not None and len(req.output_ids) > waiter.sent:
-            delta = waiter.stream.push(req.output_ids[waiter.sent:])
-            waiter.sent = len(req.output_ids)
+        if waiter.published is not None:
+            delta = waiter.published.push(req.output_ids)
             if delta:
                 waiter.on_text(delta)
         if not req.finished:
             return
         del self._waiting[req.rid]
-        if waiter.stream is not None:
-            tail = waiter.stream.finish()
+        if waiter.published is not None:
+            tail = waiter.published.finish()
             if tail:
                 waiter.on_text(tail)
         if not waiter.future.done():

@@ -8,7 +8,8 @@ one is passed in.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 from stemma.lang.backends.base import Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
@@ -18,9 +19,13 @@ from stemma.client.core import CONNECTION_LOST, RequestTimeout, ServerError
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class RemoteBackend(Backend):
-    def __init__(self, client: Client | str, tokenizer: Any = None, connect_timeout: float = 30.0):
+    def __init__(self, client: Client | str, tokenizer: PreTrainedTokenizerBase | None = None,
+                 connect_timeout: float = 30.0):
         """`client`: a stemma.connect() client or an address; `tokenizer`: the served model's
         tokenizer, when this machine cannot load it from the path the server reports."""
         self.client = connect(client) if isinstance(client, str) else client
@@ -87,6 +92,16 @@ class EmbeddedBackend(RemoteBackend):
 
     def close(self) -> None:
         self.runtime.close()
+
+
+def remote_backend_for(value: object) -> RemoteBackend | None:
+    """A RemoteBackend for a client, a server address or a stemma.Runtime; None for anything else."""
+    if isinstance(value, (Client, str)):
+        return RemoteBackend(value)
+    runtime = sys.modules.get("stemma.serve.runtime")  # a Runtime exists only if its module loaded
+    if runtime is not None and isinstance(value, runtime.Runtime):
+        return RemoteBackend(value.client)
+    return None
 
 
 @functools.lru_cache(maxsize=1)

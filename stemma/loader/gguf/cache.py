@@ -9,15 +9,12 @@ once and saves the results; later loads (warm) read them back:
         tokenizer.json, tokenizer_config.json, ...   AutoTokenizer.save_pretrained
         index.json                   GGUFIndex: tensor name, type, shape, byte range
 
-`<root>` is $STEMMA_CACHE_DIR, else ~/.cache/stemma. `<key>` hashes the file's resolved path,
-size and modification time (and this format's version), so a rewritten file gets a fresh entry.
+`<root>` and `<key>` are stemma.paths' (torch-free, so the gateway can find the tokenizer).
 An entry is written into a hidden temporary sibling and renamed into place, so readers only ever
 see whole entries; a crash mid-write leaves at most that hidden sibling behind.
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,9 +24,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from stemma.loader.gguf.index import GGUFIndex, read_index
 from stemma.loader.gguf.names import check_architecture
+from stemma.paths import GGUF_INDEX_FILE, gguf_entry_dir
 
-CACHE_FORMAT = 1
-INDEX_FILE = "index.json"
+INDEX_FILE = GGUF_INDEX_FILE
 
 
 @dataclass(frozen=True)
@@ -41,17 +38,9 @@ class CachedMetadata:
     index: GGUFIndex
 
 
-def cache_root() -> Path:
-    override = os.environ.get("STEMMA_CACHE_DIR")
-    return Path(override) if override else Path.home() / ".cache" / "stemma"
-
-
 def entry_dir(path: Path) -> Path:
-    """The cache directory for the GGUF file at `path` (which must exist)."""
-    stat = path.stat()
-    identity = f"v{CACHE_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{path.stem}-{key}"
+    """The cache directory for the GGUF file at `path` (which must exist); see stemma.paths."""
+    return gguf_entry_dir(path)
 
 
 def _write_entry(path: Path, target: Path) -> None:

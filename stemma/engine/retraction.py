@@ -1,0 +1,71 @@
+"""Retraction: when the KV pool runs dry, the running request with the least progress gives back
+its slots and waits to be recomputed. Its computed KV goes to the radix tree first, so its prefix
+is likely still cached when it is admitted again. Nothing is dropped."""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+from stemma.engine.request import ReqState
+
+if TYPE_CHECKING:
+    from stemma.cache.radix_cache import RadixCache
+    from stemma.cache.kv_pool import ReqToSlot
+    from stemma.engine.counters import Counters
+    from stemma.engine.request import Request
+
+
+class Retraction:
+    def __init__(self, running: list[Request], waiting: deque[Request], cache: RadixCache,
+                 req_to_slot: ReqToSlot, release: Callable[[Request], None], counters: Counters):
+        self.running = running
+        self.waiting = waiting
+        self.cache = cache
+        self.req_to_slot = req_to_slot
+        self.release = release
+        self.counters = counters
+        self.scheduled: set[int] = set()  # ids of requests holding slots for this step: never victims
+
+    def room(self) -> int:
+        """Slots that can be had without retracting: free ones plus evictable cached ones."""
+        return self.cache.allocator.available + self.cache.evictable_size
+
+    def ensure_decode_slots(self, n: int) -> None:
+        """Retracts the least advanced running requests until n decode slots can be had (a
+        retracted decoding request needs one slot fewer)."""
+        while n and self.room() < n:
+            victim = self.pick_victim()
+            if victim is None:
+                return
+            n -= 1 if victim.is_decoding else 0
+            self.retract(victim)
+
+    def alloc_into(self, req: Request, n: int) -> bool:
+        """Allocates n slots at positions [kv_len, kv_len + n) of req's row, retracting requests
+        not yet scheduled this step (req itself last) when the pool is short. False: req was
+        retracted."""
+        while True:
+            slots = self.cache.alloc(n)
+            if slots is not None:
+                self.req_to_slot.write(req.row, req.kv_len, slots)
+                return True
+            victim = self.pick_victim(exclude=req) or req
+            self.retract(victim)
+            if victim is req:
+                return False
+
+    def pick_victim(self, exclude: Request | None = None) -> Request | None:
+        """The running request with the least progress that holds no slots for this step."""
+        candidates = [r for r in self.running if r is not exclude and id(r) not in self.scheduled]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival))
+
+    def retract(self, req: Request) -> None:
+        self.release(req)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        req.prompt_logprobs.clear()  # recomputed with the prompt
+        req.prompt_logprobs_done = False
+        self.counters.retractions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,94 @@
+"""Runs one planned step: the forward over the mixed batch, the prompt logprobs it asked for, the
+constrained rows' masks and sampling. It reads the plan and its requests and changes neither;
+the scheduler books the result (see stemma.engine.plan)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from stemma.executor.forward_batch import ForwardBatch
+from stemma.sampling.batch import SamplingBatch
+from stemma.sampling.sampler import row_major_float
+
+if TYPE_CHECKING:
+    from stemma.constrained.constrainer import Constrainer
+    from stemma.engine.plan import StepPlan
+    from stemma.engine.request import Request
+    from stemma.executor.runner import ModelRunner
+    from stemma.sampling.sampler import Sampler
+
+
+@dataclass
+class StepOutput:
+    """What a step computed. Row i of the sampled lists belongs to `plan.sampled[i]`."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None                            # None: no row asked
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None  # (ids, values) per row, k_max
+    # plan index -> logprobs of the prompt tokens this step scored (None: none of them was a
+    # prompt token), for each request whose prompt logprobs are being computed
+    prompt_logprobs: dict[int, list[float] | None] = field(default_factory=dict)
+
+
+def prompt_logprobs(req: Request, n: int, logits: torch.Tensor) -> list[float] | None:
+    """Logprobs of the prompt tokens whose preceding position is among `logits`' rows (the last
+    rows of req's `n` new tokens), or None when those rows score no prompt token."""
+    first = req.kv_len + n - logits.shape[0]      # position of logits[0]
+    prompt_end = len(req.input_ids) - 1           # last position whose next token is in the prompt
+    if first > prompt_end:
+        return None
+    upto = min(req.kv_len + n, prompt_end + 1) - first
+    targets = torch.tensor(req.tokens[first + 1:first + 1 + upto], dtype=torch.int64)
+    lp = torch.log_softmax(row_major_float(logits[:upto]), dim=-1).gather(1, targets[:, None])[:, 0]
+    return lp.tolist()
+
+
+class Executor:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, constrainer: Constrainer,
+                 eos_token_ids: tuple[int, ...]):
+        self.runner = runner
+        self.sampler = sampler
+        self.constrainer = constrainer
+        self.eos_token_ids = eos_token_ids
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        fb = self.batch(plan)
+        logits = self.runner.forward(fb)
+        out = StepOutput()
+        ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()  # request i's rows end at ends[i]
+        rows = []
+        for i, (req, n) in enumerate(zip(plan.reqs, plan.counts)):
+            if req.logit_start() is not None:
+                out.prompt_logprobs[i] = prompt_logprobs(req, n, logits[ends[i] - fb.logits_counts[i]:ends[i]])
+            if plan.sample[i]:
+                rows.append(ends[i] - 1)
+        if rows:
+            if len(rows) != logits.shape[0]:
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            self._sample(plan.sampled, logits, out)
+        return out
+
+    def batch(self, plan: StepPlan) -> ForwardBatch:
+        req_to_slot = self.runner.req_to_slot
+        reqs, counts = plan.reqs, plan.counts
+        token_lists = [r.tokens[r.kv_len:r.kv_len + n] for r, n in zip(reqs, counts)]
+        out_slots = torch.cat([req_to_slot.read(r.row, r.kv_len + n, r.kv_len) for r, n in zip(reqs, counts)])
+        return ForwardBatch.build(token_lists=token_lists, req_rows=[r.row for r in reqs],
+                                  prefix_lens=[r.kv_len for r in reqs], out_slots=out_slots,
+                                  req_to_slot=req_to_slot.table,
+                                  logit_starts=[r.logit_start() for r in reqs])
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, out: StepOutput) -> None:
+        # constrained rows only: one bitmask, applied in place; unconstrained rows are not touched
+        guided = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        if guided:
+            self.constrainer.mask(logits, [reqs[i].constraint for i in guided], guided)
+        batch = SamplingBatch.build(reqs, logits.shape[-1], logits.device, eos_token_ids=self.eos_token_ids)
+        sampled = self.sampler.sample(logits, batch)
+        out.token_ids = sampled.token_ids.tolist()
+        if sampled.logprobs is not None:
+            out.logprobs = sampled.logprobs.tolist()
+        if sampled.top_logprobs is not None:
+            tops = sampled.top_logprobs
+            out.top_logprobs = list(zip(tops.ids.tolist(), tops.values.tolist()))
