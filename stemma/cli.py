@@ -7,6 +7,7 @@ import time
 
 from stemma.cli_args import add_dataclass_args, collect
 from stemma.engine_config import EngineConfig
+from stemma.log import LEVELS, configure as configure_logging
 from stemma.serve.launch import ServeConfig
 from stemma.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ def cmd_generate(ns) -> int:
 def cmd_serve(ns) -> int:
     from stemma.serve.launch import serve
     return serve(EngineConfig.from_kwargs(**collect(ns, EngineConfig)),
-                 ServeConfig(**collect(ns, ServeConfig)))
+                 ServeConfig(**collect(ns, ServeConfig)), ns.log_level)
 
 
 _PROGRAM_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
@@ -72,7 +73,7 @@ def _backend(ns):
         from stemma.lang.backends.engine import EngineBackend
         return EngineBackend(**collect(ns, EngineConfig))
     from stemma.lang.backends.remote import EmbeddedBackend
-    return EmbeddedBackend(**collect(ns, EngineConfig))
+    return EmbeddedBackend(**collect(ns, EngineConfig), log_level=ns.log_level)
 
 
 def _sampling(ns) -> dict:
@@ -129,6 +130,12 @@ def cmd_repl(ns) -> int:
         backend.close()
 
 
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", choices=LEVELS, default=default,
+                        help=f"what stemma logs to stderr, its server processes included "
+                             f"(default: {default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stemma", description="stemma: an LLM program runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,10 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     add_dataclass_args(gen, SamplingParams, shown_defaults=_GENERATE_DEFAULTS)
     add_dataclass_args(gen, EngineConfig)
+    _add_log_level(gen, "info")
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="serve the model to clients over ZeroMQ (stemma.connect)")
     add_dataclass_args(srv, ServeConfig)
     add_dataclass_args(srv, EngineConfig)
+    _add_log_level(srv, "info")
     srv.set_defaults(func=cmd_serve)
     run = sub.add_parser("run", help="run a text program (.stm)",
                          description="Runs a text program and streams its text; the variables it "
@@ -150,17 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--var", action="append", metavar="NAME=VALUE",
                      help="a variable of the program (repeatable)")
     _add_backend_args(run)
+    _add_log_level(run, "warning")
     run.set_defaults(func=cmd_run)
     repl = sub.add_parser("repl", help="an interactive prompt for plain prompts and text programs")
     repl.add_argument("--history", default=None,
                       help="history file (default: $STEMMA_HISTORY or ~/.stemma_history; '' for none)")
     _add_backend_args(repl)
+    _add_log_level(repl, "warning")
     repl.set_defaults(func=cmd_repl)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    configure_logging(ns.log_level)
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as exc:

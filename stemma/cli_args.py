@@ -7,7 +7,8 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 
-def _kind(cls: type, name: str) -> Any:
+def _kind(cls: type, name: str) -> type | tuple[str, type]:
+    """The flag's argparse type, or ("list", item type) for a repeatable flag."""
     hint = typing.get_type_hints(cls)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if hint in (bool, int, float, str):
@@ -50,7 +51,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
             group.add_argument(flag, type=_bool, nargs="?", const=True, default=None,
                                help=f"true/false (default: {default})")
         else:
-            group.add_argument(flag, type=kind, default=None, help=f"(default: {default})")
+            group.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"),
+                               help=f"(default: {default})")
 
 
 def collect(ns: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -1,11 +1,18 @@
 """EngineConfig: every engine option, in one frozen dataclass validated once."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "sjf")
+from stemma.registry import ATTENTION_BACKENDS, POLICIES
+
 BATCHING = ("continuous", "dynamic", "static")
+
+
+def one_of(default: str, names: Sequence[str]) -> Any:
+    """A field whose value must be one of `names`: validated in __post_init__, and argparse
+    `choices` for its flag (stemma.cli_args reads the field's metadata)."""
+    return field(default=default, metadata={"choices": tuple(names)})
 
 
 @dataclass(frozen=True)
@@ -18,11 +25,11 @@ class EngineConfig:
     max_context: int | None = None        # None: the model's context length
     chunked_prefill_size: int | None = 2048  # None or <= 0: no chunking
     max_prefill_tokens: int = 8192        # prefill tokens admitted in one step
-    schedule_policy: str = "lpm"
-    batching: str = "continuous"
+    schedule_policy: str = one_of("lpm", POLICIES.names())
+    batching: str = one_of("continuous", BATCHING)
     dynamic_wait_ms: float = 20.0         # dynamic batching: how long a batch waits to fill
     enable_radix_cache: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = one_of("auto", ("auto", *ATTENTION_BACKENDS.names()))  # auto: triton on CUDA
     kv_reserve_ratio: float = 0.3         # share of running decodes' remaining tokens kept free
     lpm_fallback_queue: int = 128         # lpm orders as fcfs past this many waiting requests
     random_seed: int | None = None        # seeds the RNG of unseeded sampled requests
@@ -36,12 +43,10 @@ class EngineConfig:
         for name in ("kv_pool_tokens", "max_running_requests", "max_prefill_tokens", "lpm_fallback_queue",
                      "constraint_cache_size"):
             positive(name)
-        if self.schedule_policy not in POLICIES:
-            raise ValueError(f"schedule_policy must be one of {', '.join(POLICIES)}, got {self.schedule_policy!r}")
-        if self.batching not in BATCHING:
-            raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        for f in fields(self):
+            allowed, value = f.metadata.get("choices"), getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"{f.name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not 0.0 <= self.kv_reserve_ratio <= 1.0:

@@ -302,7 +302,7 @@ def test_killing_the_engine_fails_waiting_clients_and_serve(folder):
     try:
         stream = served.client.stream([5, 6, 7], LONG, timeout=30)
         next(iter(stream))
-        os.kill(served.child("engine_process"), signal.SIGKILL)
+        os.kill(served.child("stemma.engine.process"), signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(stemma.ServerError) as info:
             for _ in stream:

@@ -13,6 +13,7 @@ import torch
 from stemma.attention.base import AttentionBackend, AttentionLayer
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool
+from stemma.registry import ATTENTION_BACKENDS
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -67,6 +68,7 @@ def extend_groups(prefix_lens: list[int], extend_lens: list[int], slack: int = 1
     return groups
 
 
+@ATTENTION_BACKENDS.register("torch")
 class TorchAttentionBackend(AttentionBackend):
     def begin(self, fb: ForwardBatch) -> None:
         super().begin(fb)

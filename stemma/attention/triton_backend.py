@@ -13,8 +13,10 @@ from stemma.kernels.kv_write import kv_write
 from stemma.attention.base import AttentionBackend, AttentionLayer
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool
+from stemma.registry import ATTENTION_BACKENDS
 
 
+@ATTENTION_BACKENDS.register("triton")
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self):
         require_triton()

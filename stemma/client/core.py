@@ -1,21 +1,35 @@
-"""What the sync and asyncio clients share: errors, the socket, building requests, reading replies.
+"""The client, written once: errors, the socket, requests and replies, and every operation.
+
+`ClientCore` is sans-IO. It owns the inboxes of the requests in flight on one socket, builds
+their messages, files each reply under its request, and defines each operation once, as a
+generator that yields `(rid, timeout)`, "the next reply to request rid, within timeout seconds",
+and is sent that reply, or has what ended the wait (a RequestTimeout, an interrupt, a
+cancellation) thrown in. `ClientBase` defines the public calls once over it. A transport,
+sync.Client (zmq.Poller) or aio.AsyncClient (zmq.asyncio), only sends frames, waits for the next
+reply of a request and closes; its `_run` drives an operation (see `Run`) and returns its value,
+or, for the async one, an awaitable of it.
 
 Torch-free: a client imports zmq, msgpack and stemma's light modules only.
 """
 from __future__ import annotations
 
 import uuid
-from typing import Any, Sequence
+from collections import deque
+from typing import Any, Callable, Generator, Iterable, Sequence
 
 import zmq
 
 from stemma import protocol as P
 from stemma.outputs import RequestOutput
+from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from stemma.sampling_params import SamplingParams
 
 CONNECTION_LOST = "connection_lost"
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
+
+Prompt = str | Sequence[int]
+Params = SamplingParams | dict | None
+Wait = tuple[str, float | None]  # what an operation waits for: the next reply to rid, within timeout s
+Op = Generator[Wait, P.Message, Any]
 
 
 class ServerError(RuntimeError):
@@ -59,6 +73,15 @@ def open_socket(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, zmq.Socket]
     return sock, monitor
 
 
+def drain(recv: Callable[[int], list[bytes]]) -> Iterable[list[bytes]]:
+    """Every message `recv` (a socket's recv_multipart) can give without waiting."""
+    while True:
+        try:
+            yield recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
 def lost(address: str) -> P.ErrorMsg:
     """The error every waiting request gets when the connection drops."""
     return P.ErrorMsg(rid="", code=CONNECTION_LOST, message=f"lost the connection to {address}")
@@ -69,11 +92,15 @@ def frames(key: bytes, msg: P.Message) -> list[bytes]:
 
 
 def read_reply(raw: list[bytes]) -> P.Message:
-    return P.decode(raw[-1], max_bytes=1 << 62)  # replies come from the server we chose to trust
+    """The message of a reply; an undecodable one becomes an error for every waiting request."""
+    try:
+        return P.decode(raw[-1], max_bytes=1 << 62)  # replies come from the server we chose to trust
+    except P.ProtocolError as exc:
+        return P.ErrorMsg(rid="", code=P.BAD_REQUEST, message=f"bad reply: {exc}")
 
 
-def generate_request(prompt: str | Sequence[int], params: SamplingParams | dict | None, stream: bool,
-                     rid: str | None, salt: str | None) -> P.GenerateReq:
+def generate_request(prompt: Prompt, params: Params, stream: bool, rid: str | None,
+                     salt: str | None) -> P.GenerateReq:
     if params is None:
         params = SamplingParams()
     elif isinstance(params, dict):
@@ -87,12 +114,7 @@ def generate_request(prompt: str | Sequence[int], params: SamplingParams | dict 
 
 def to_output(msg: P.Finished, n: int) -> RequestOutput:
     """The RequestOutput of a Finished message; ids of n > 1 siblings get `-index`, as Engine's do."""
-    return RequestOutput(
-        rid=msg.rid if n == 1 else f"{msg.rid}-{msg.index}", text=msg.text, token_ids=msg.token_ids,
-        finish_reason=msg.finish_reason, logprobs=msg.logprobs,
-        top_logprobs=[[tuple(t) for t in pos] for pos in msg.top_logprobs] if msg.top_logprobs is not None
-        else None,
-        prompt_logprobs=msg.prompt_logprobs, meta=msg.meta)
+    return msg.output(msg.rid if n == 1 else f"{msg.rid}-{msg.index}")
 
 
 def raise_if_error(msg: P.Message) -> P.Message:
@@ -141,11 +163,194 @@ class GenerateState:
         return outs[0] if self.n == 1 else outs
 
 
-class StreamBase:
-    """What a sync or async stream of one request holds: its id, the state its chunks build, and
-    its RequestOutput once it has ended."""
+class Run:
+    """Drives one operation: `wait` is what it waits for, None once it has returned `value`
+    (an operation that raises raises out of `resume`)."""
 
-    def __init__(self, client: Any, rid: str, timeout: float | None):
+    def __init__(self, op: Op):
+        self._op = op
+        self._step(op.send, None)
+
+    def resume(self, outcome: P.Message | BaseException) -> None:
+        """Sends the operation the reply it waited for, or throws in what ended the wait."""
+        self._step(self._op.throw if isinstance(outcome, BaseException) else self._op.send, outcome)
+
+    def _step(self, step: Callable[[Any], Wait], arg: Any) -> None:
+        try:
+            self.wait: Wait | None = step(arg)
+        except StopIteration as stop:
+            self.wait, self.value = None, stop.value
+
+
+class ClientCore:
+    """The requests in flight on one socket, the replies that came for each, and every operation.
+
+    Sans-IO: `send` (the transport's) puts frames on the wire, the transport hands in what it
+    receives (`received`), and `inbox(rid)` is what it takes the next reply to rid from. An inbox
+    is a `deque` for the sync client, an asyncio queue with `append` for the async one. Only
+    requests still waited for have an inbox; a reply to any other is dropped."""
+
+    def __init__(self, address: str, key: bytes, send: Callable[[list[bytes]], None],
+                 new_inbox: Callable[[], Any] = deque):
+        self.address = address
+        self._key = key
+        self._send = send
+        self._new_inbox = new_inbox
+        self._inbox: dict[str, Any] = {}
+
+    # ---- requests and replies ----
+    def send(self, msg: P.Message) -> None:
+        self._send(frames(self._key, msg))
+
+    def inbox(self, rid: str) -> Any:
+        """Where the replies to `rid` are filed; KeyError once nobody waits for them."""
+        return self._inbox[rid]
+
+    def start(self, msg: P.Message) -> None:
+        """Sends request `msg`, whose replies are filed from now on."""
+        if msg.rid in self._inbox:
+            raise ValueError(f"request id {msg.rid!r} is already in flight")
+        self._inbox[msg.rid] = self._new_inbox()
+        try:
+            self.send(msg)
+        except BaseException:
+            del self._inbox[msg.rid]
+            raise
+
+    def finish(self, rid: str) -> None:
+        self._inbox.pop(rid, None)
+
+    def give_up(self, rid: str, exc: BaseException) -> None:
+        """After `exc` ended the wait for `rid`: the server already dropped a request it failed;
+        anything else (a timeout, an interrupt, a cancellation) leaves it running there, so abort it."""
+        if isinstance(exc, ServerError) and not isinstance(exc, RequestTimeout):
+            self.finish(rid)
+        else:
+            self.abandon(rid)
+
+    def abandon(self, rid: str) -> None:
+        """Aborts a request nobody waits for any more, and forgets its replies."""
+        if rid in self._inbox:
+            self.finish(rid)
+            self.send(P.Abort(rid=rid))
+
+    def drop_all(self, abort: bool) -> None:
+        """Forgets every request in flight, aborting each on the server first if `abort`."""
+        for rid in list(self._inbox) if abort else ():
+            self.abandon(rid)
+        self._inbox.clear()
+
+    def received(self, raws: Iterable[list[bytes]], dropped: bool = False) -> None:
+        """Files each reply in `raws` under its request; then, if the connection `dropped`, fails
+        every request still waiting. What the server sent before closing (say, why) comes first."""
+        for raw in raws:
+            msg = read_reply(raw)
+            if isinstance(msg, P.ErrorMsg) and not msg.rid:
+                self._broadcast(msg)  # a frame without a readable id failed: fail them all
+            elif msg.rid in self._inbox:
+                self._inbox[msg.rid].append(msg)
+        if dropped:
+            self._broadcast(lost(self.address))
+
+    def _broadcast(self, msg: P.Message) -> None:
+        for inbox in self._inbox.values():
+            inbox.append(msg)
+
+    # ---- operations (see `Run`) ----
+    def call(self, msg: P.Message, timeout: float | None) -> Op:
+        """The one reply to control request `msg`."""
+        self.start(msg)
+        try:
+            return (yield msg.rid, timeout)
+        finally:
+            self.finish(msg.rid)
+
+    def fold(self, rid: str, timeout: float | None, state: GenerateState) -> Op:
+        """Feeds the next reply to generate request `rid` to `state`, and returns its text delta.
+        Forgets the request once its last reply is in; gives it up (see give_up) when the wait
+        or the reply fails."""
+        try:
+            delta = state.feed((yield rid, timeout))
+        except BaseException as exc:
+            self.give_up(rid, exc)
+            raise
+        if state.done:
+            self.finish(rid)
+        return delta
+
+    def generate(self, prompt: Prompt, params: Params, salt: str | None, rid: str | None,
+                 timeout: float | None) -> Op:
+        msg = generate_request(prompt, params, False, rid, salt)
+        state = GenerateState(msg.params.n)
+        self.start(msg)
+        while not state.done:
+            yield from self.fold(msg.rid, timeout, state)
+        return state.result()
+
+    def flush_cache(self, timeout: float | None) -> Op:
+        return expect((yield from self.call(P.FlushCache(rid=new_rid()), timeout)), P.FlushDone).ok
+
+    def info(self, timeout: float | None) -> Op:
+        return info_dict(expect((yield from self.call(P.GetInfo(rid=new_rid()), timeout)), P.Info))
+
+    def health(self, timeout: float | None) -> Op:
+        try:
+            expect((yield from self.call(P.Health(rid=new_rid()), timeout)), P.HealthOk)
+        except ServerError as exc:
+            if unhealthy(exc):
+                return False
+            raise
+        return True
+
+
+class ClientBase:
+    """The public calls of a client, each defined once over the transport's `_run`: the sync
+    client's returns an operation's value, the async client's an awaitable of it. `_alive()`
+    says whether an abort can still be sent (a stream dropped late must not try)."""
+    timeout: float | None
+    _core: ClientCore
+    _stream: type["StreamBase"]
+    _run: Callable[[Op], Any]
+    _alive: Callable[[], bool]
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def generate(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
+                 rid: str | None = None, timeout: float | None = None) -> RequestOutput | list[RequestOutput]:
+        """The finished output (a list when params.n > 1). Text or token ids, as Engine.generate."""
+        return self._run(self._core.generate(prompt, params, salt, rid, self._timeout(timeout)))
+
+    def stream(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
+               rid: str | None = None, timeout: float | None = None) -> "StreamBase":
+        """Text deltas as they are generated; see Stream."""
+        msg = generate_request(prompt, params, True, rid, salt)
+        self._core.start(msg)
+        return self._stream(self, msg.rid, self._timeout(timeout))
+
+    def abort(self, rid: str) -> None:
+        """Stops request `rid`; its stream ends with finish_reason 'abort'. Unknown ids are ignored."""
+        self._core.send(P.Abort(rid=rid))
+
+    def flush_cache(self, timeout: float | None = 30.0) -> bool:
+        """Drops the radix cache; False (and nothing dropped) while requests run."""
+        return self._run(self._core.flush_cache(timeout))
+
+    def info(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        """{'model', 'context_length', 'vocab_size', 'stats'}; stats are the engine's, with pool_whole."""
+        return self._run(self._core.info(timeout))
+
+    def health(self, timeout: float | None = 5.0) -> bool:
+        """True once the engine loop answers; False on a timeout or a lost connection. Raises
+        ServerError for other errors (a wrong API key)."""
+        return self._run(self._core.health(timeout))
+
+
+class StreamBase:
+    """One streamed request, sync or async: its id, the state its chunks build, and its
+    RequestOutput once it has ended. Closing it (or dropping it) before then aborts the request."""
+
+    def __init__(self, client: ClientBase, rid: str, timeout: float | None):
         self.client = client
         self.rid = rid
         self.timeout = timeout
@@ -157,14 +362,30 @@ class StreamBase:
     def token_ids(self) -> list[int]:
         return self.state.token_ids
 
-    def _fail(self, exc: BaseException) -> None:
-        """Ends the stream after an error while reading it; the client aborts the request."""
-        self._open = False
-        self.client._give_up(self.rid, exc)
+    def _deltas(self) -> Op:
+        """The operation behind each step of the iteration: the next non-empty text delta, or
+        None once the stream has ended."""
+        while self._open:
+            try:
+                delta = yield from self.client._core.fold(self.rid, self.timeout, self.state)
+            except BaseException:
+                self._open = False  # fold gave the request up
+                raise
+            if self.state.done:
+                self.output, self._open = self.state.result(), False
+            if delta:
+                return delta
+        return None
 
-    def _settle(self) -> None:
-        """Records the output once the last message of the request has been fed."""
-        if self.state.done:
-            self.output = self.state.result()
+    def _step(self) -> Any:
+        """The next delta (None at the end); from an async client, an awaitable of it."""
+        return self.client._run(self._deltas())
+
+    def close(self) -> None:
+        if self._open:
             self._open = False
-            self.client._finish(self.rid)
+            self.client._core.abandon(self.rid)
+
+    def __del__(self):
+        if getattr(self, "_open", False) and self.client._alive():
+            self.close()

@@ -11,9 +11,12 @@ or written, so their sampling is untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from stemma.constrained.guide import Guide
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
 
@@ -22,7 +25,7 @@ def words_for(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill(guides: Sequence, vocab_size: int) -> torch.Tensor:
+def fill(guides: Sequence[Guide], vocab_size: int) -> torch.Tensor:
     """[len(guides), words] int32 on the CPU: row i is guides[i]'s allowed tokens."""
     words = words_for(vocab_size)
     mask = torch.zeros(len(guides), words, dtype=torch.int32)

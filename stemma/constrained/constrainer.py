@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -28,7 +28,15 @@ from stemma.constrained.spec import ConstraintSpec, check
 from stemma.constrained.vocab import TokenVocab, build_vocab
 from stemma.sampling_params import SamplingParams
 
-GuideFactory = Callable[[], Any]
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+    from outlines_core import Index
+    from transformers import PreTrainedTokenizerBase
+
+    from stemma.constrained.guide import Guide
+    from stemma.engine.request import Request
+
+GuideFactory = Callable[[], "Guide"]
 
 
 @dataclass
@@ -40,8 +48,8 @@ class ConstraintStats:
 
 
 class Constrainer:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 enable_jump_forward: bool, index_cache_size: int):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
+                 eos_token_ids: Sequence[int], enable_jump_forward: bool, index_cache_size: int):
         from stemma.constrained.index_cache import IndexCache
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -53,7 +61,7 @@ class Constrainer:
         self._lock = threading.Lock()
         self._vocab: TokenVocab | None = None
         self._end_tokens: bitmask.EndTokens | None = None
-        self._lltokenizer: Any = None
+        self._lltokenizer: LLTokenizer | None = None
 
     # ---- submission ----
     def check(self, params: SamplingParams) -> ConstraintSpec | None:
@@ -95,7 +103,7 @@ class Constrainer:
             return factory
         return self._regex_factory(self.indexes.get(spec.source, vocab), vocab)
 
-    def _regex_factory(self, index: Any, vocab: TokenVocab) -> GuideFactory:
+    def _regex_factory(self, index: Index, vocab: TokenVocab) -> GuideFactory:
         from stemma.constrained.guide import RegexGuide
         return lambda: RegexGuide(index, vocab)
 
@@ -116,7 +124,7 @@ class Constrainer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- each step ----
-    def mask(self, logits: torch.Tensor, guides: Sequence[Any], rows: Sequence[int]) -> None:
+    def mask(self, logits: torch.Tensor, guides: Sequence[Guide], rows: Sequence[int]) -> None:
         """Sets the logits that `guides` forbid (guide i for row rows[i]) to -inf, in place."""
         start = time.perf_counter()
         mask = bitmask.fill(guides, logits.shape[-1])
@@ -125,7 +133,7 @@ class Constrainer:
         self.stats.guided_tokens += len(guides)
         self.stats.mask_time += time.perf_counter() - start
 
-    def advance(self, req: Any, token: int) -> tuple[list[int], str | None]:
+    def advance(self, req: Request, token: int) -> tuple[list[int], str | None]:
         """After `token` was sampled for `req`: (tokens to append, finish reason or None).
 
         Sets req.error when the guide refuses the token (finish reason "error"); the mask makes

@@ -6,9 +6,12 @@ takes about a second for a 262k vocabulary; it is built once, on the constrainer
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from stemma.constrained.vocab import TokenVocab
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 
 class _VocabTokenizer:
@@ -29,7 +32,7 @@ class _VocabTokenizer:
 
 
 def build_lltokenizer(vocab: TokenVocab, encode: Callable[[str], list[int]],
-                      bos_token_id: int | None) -> Any:
+                      bos_token_id: int | None) -> LLTokenizer:
     from llguidance import LLTokenizer, TokenizerWrapper
     wrapper = TokenizerWrapper(_VocabTokenizer(vocab, encode, bos_token_id))
     return LLTokenizer(wrapper, n_vocab=vocab.size, eos_token=list(vocab.end_ids))
@@ -38,7 +41,7 @@ def build_lltokenizer(vocab: TokenVocab, encode: Callable[[str], list[int]],
 class GrammarGuide:
     """A request's walk through an llguidance matcher (see guide.Guide)."""
 
-    def __init__(self, lltokenizer: Any, grammar: str):
+    def __init__(self, lltokenizer: LLTokenizer, grammar: str):
         from llguidance import LLMatcher
         self._matcher = LLMatcher(lltokenizer, LLMatcher.grammar_from_lark(grammar), log_level=0)
         if self._matcher.is_error():

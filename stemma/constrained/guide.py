@@ -6,9 +6,12 @@ they hold. "Final" means the end tokens are allowed now; "terminated" means noth
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from stemma.constrained.vocab import TokenVocab
+
+if TYPE_CHECKING:
+    from outlines_core import Index
 
 MAX_ROLLBACK = 256    # tokens a guide can step back (jump-forward re-tokenizes its boundary)
 # Bytes tried first when looking for the single forced byte: printable ASCII ends the search fast.
@@ -48,7 +51,7 @@ class RegexGuide:
     non-final state is a forced byte. Vocabularies without all 256 byte tokens force nothing.
     """
 
-    def __init__(self, index: Any, vocab: TokenVocab):
+    def __init__(self, index: Index, vocab: TokenVocab):
         from outlines_core import Guide as OutlinesGuide
         self._index = index
         self._guide = OutlinesGuide(index, max_rollback=MAX_ROLLBACK)

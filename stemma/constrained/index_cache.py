@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outlines_core import Index, Vocabulary
+
+    from stemma.constrained.vocab import TokenVocab
 
 
 class IndexCache:
@@ -17,12 +22,12 @@ class IndexCache:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._vocabularies: dict[str, Any] = {}  # fingerprint -> outlines-core Vocabulary
+        self._entries: OrderedDict[tuple[str, str], Index] = OrderedDict()
+        self._vocabularies: dict[str, Vocabulary] = {}  # by TokenVocab fingerprint
         self._lock = threading.Lock()
         self.builds = 0
 
-    def lookup(self, regex: str, fingerprint: str) -> Any | None:
+    def lookup(self, regex: str, fingerprint: str) -> Index | None:
         """The cached Index, or None."""
         with self._lock:
             index = self._entries.get((regex, fingerprint))
@@ -30,8 +35,8 @@ class IndexCache:
                 self._entries.move_to_end((regex, fingerprint))
             return index
 
-    def get(self, regex: str, vocab) -> Any:
-        """The Index of `regex` over `vocab` (a TokenVocab), built here when not cached."""
+    def get(self, regex: str, vocab: TokenVocab) -> Index:
+        """The Index of `regex` over `vocab`, built here when not cached."""
         index = self.lookup(regex, vocab.fingerprint)
         if index is not None:
             return index
@@ -47,7 +52,7 @@ class IndexCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _vocabulary(self, vocab) -> Any:
+    def _vocabulary(self, vocab: TokenVocab) -> Vocabulary:
         """outlines-core's Vocabulary of a TokenVocab (its text tokens and EOS), made once."""
         from outlines_core import Vocabulary
         made = self._vocabularies.get(vocab.fingerprint)

@@ -24,7 +24,10 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Special tokens that end a turn or a document; the model may emit them where it is done.
@@ -143,7 +146,8 @@ class TokenVocab:
         return out
 
 
-def build_vocab(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> TokenVocab:
+def build_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                eos_token_ids: Sequence[int] = ()) -> TokenVocab:
     """The TokenVocab of a transformers tokenizer, padded to the model's `vocab_size` logits.
 
     `eos_token_ids` are the engine's end ids; the tokenizer's EOS and its end-of-turn style special

@@ -17,7 +17,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -27,6 +27,9 @@ from stemma.serve.proc_watch import ParentWatch
 from stemma.engine.request import Request
 from stemma.engine.output import request_output
 from stemma.text.publisher import Publisher
+
+if TYPE_CHECKING:
+    from stemma.engine.engine import Engine
 
 IDLE_POLL_MS = 250
 MAX_INTAKE = 512          # messages taken in between two steps, so that steps are not starved
@@ -54,7 +57,7 @@ def _chunk(live: Live, new: slice) -> P.TokenChunk:
 
 
 class EngineLoop:
-    def __init__(self, engine, requests: zmq.Socket, outputs: zmq.Socket):
+    def __init__(self, engine: Engine, requests: zmq.Socket, outputs: zmq.Socket):
         self.engine = engine
         self.requests = requests
         self.outputs = outputs

@@ -84,6 +84,20 @@ def check_launchable(kernel, *tensors: torch.Tensor) -> None:
                            "interpreter (TRITON_INTERPRET=1 set before stemma.kernels is imported)")
 
 
+def check_int_vector(t: torch.Tensor, name: str, length: int) -> None:
+    """Raises unless `t` is a [length] tensor of integers."""
+    if t.is_floating_point():
+        raise TypeError(f"{name} must hold integers, got {t.dtype}")
+    if t.shape != (length,):
+        raise ValueError(f"{name} must be [{length}], got {tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(what: str, *tensors: torch.Tensor) -> None:
+    """Raises unless every tensor's last dim is contiguous (the kernels index it with stride 1)."""
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError(f"{what} must be contiguous")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

@@ -118,7 +118,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     check_launchable(_decode_split_kernel, q, k_buf, v_buf, req_to_slot, req_rows, seq_lens)
     check_attention_args(q, k_buf, v_buf, req_to_slot, sliding_window, logit_cap)
     batch = check_per_request(req_rows, seq_lens)
-    assert q.shape[0] == batch, f"decode takes one query per request: q {tuple(q.shape)}, batch {batch}"
+    if q.shape[0] != batch:
+        raise ValueError(f"decode takes one query per request: q {tuple(q.shape)}, batch {batch}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buf.shape[1]
     out = torch.empty_like(q)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from stemma.kernels._triton import cast, cdiv, check_launchable, dot, is_interpreted, jit, next_pow2, tl
+from stemma.kernels._triton import (cast, cdiv, check_int_vector, check_last_dim_contiguous, check_launchable,
+                                    dot, is_interpreted, jit, next_pow2, tl)
 
 
 @jit
@@ -96,23 +97,34 @@ def _extend_attention_kernel(
 def check_attention_args(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          req_to_slot: torch.Tensor, sliding_window: int | None,
                          logit_cap: float | None) -> None:
-    """Asserts what both attention launchers need of their shared arguments."""
-    assert q.dim() == 3 and k_buf.dim() == 3, "q is [tokens, Hq, D] and the buffers [slots, Hkv, D]"
-    assert k_buf.shape == v_buf.shape and k_buf.dtype == v_buf.dtype, "k_buf and v_buf differ"
-    assert q.shape[2] == k_buf.shape[2], f"head_dim of q {q.shape[2]} != buffers' {k_buf.shape[2]}"
-    assert q.shape[1] % k_buf.shape[1] == 0, f"Hq {q.shape[1]} is not a multiple of Hkv {k_buf.shape[1]}"
-    assert q.dtype == k_buf.dtype, f"q is {q.dtype} but the KV pool is {k_buf.dtype}"
-    assert q.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1, "head_dim must be contiguous"
-    assert req_to_slot.dim() == 2 and req_to_slot.stride(-1) == 1, "req_to_slot must be a row-major table"
-    assert not req_to_slot.is_floating_point(), "req_to_slot holds integers"
-    assert sliding_window is None or sliding_window >= 1, f"bad sliding_window {sliding_window}"
-    assert logit_cap is None or logit_cap > 0, f"bad logit_cap {logit_cap}"
+    """Raises unless the shared arguments are what both attention launchers need."""
+    if q.dim() != 3 or k_buf.dim() != 3:
+        raise ValueError(f"q must be [tokens, Hq, D] and the buffers [slots, Hkv, D], got q "
+                         f"{tuple(q.shape)} and k_buf {tuple(k_buf.shape)}")
+    if k_buf.shape != v_buf.shape:
+        raise ValueError(f"k_buf {tuple(k_buf.shape)} and v_buf {tuple(v_buf.shape)} differ")
+    if k_buf.dtype != v_buf.dtype or q.dtype != k_buf.dtype:
+        raise TypeError(f"q, k_buf and v_buf must share a dtype, got {q.dtype}, {k_buf.dtype}, {v_buf.dtype}")
+    if q.shape[2] != k_buf.shape[2]:
+        raise ValueError(f"head_dim of q {q.shape[2]} != the buffers' {k_buf.shape[2]}")
+    if q.shape[1] % k_buf.shape[1]:
+        raise ValueError(f"Hq {q.shape[1]} is not a multiple of Hkv {k_buf.shape[1]}")
+    check_last_dim_contiguous("head_dim", q, k_buf, v_buf)
+    if req_to_slot.is_floating_point():
+        raise TypeError(f"req_to_slot must hold integers, got {req_to_slot.dtype}")
+    if req_to_slot.dim() != 2 or req_to_slot.stride(-1) != 1:
+        raise ValueError(f"req_to_slot must be a row-major [R, C] table, got {tuple(req_to_slot.shape)} "
+                         f"with strides {req_to_slot.stride()}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logit_cap is not None and logit_cap <= 0:
+        raise ValueError(f"logit_cap must be > 0, got {logit_cap}")
 
 
 def check_per_request(*tensors: torch.Tensor) -> int:
     batch = tensors[0].shape[0]
     for t in tensors:
-        assert t.shape == (batch,) and not t.is_floating_point(), "per-request metadata must be [B] integers"
+        check_int_vector(t, "per-request metadata", batch)
     return batch
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from stemma.kernels._triton import cast, check_launchable, is_interpreted, jit, next_pow2, tl
+from stemma.kernels._triton import (cast, check_int_vector, check_last_dim_contiguous, check_launchable,
+                                    is_interpreted, jit, next_pow2, tl)
 
 
 @jit
@@ -33,13 +34,13 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
     """
     check_launchable(_kv_write_kernel, k, v, slots, k_buf, v_buf)
     num_tokens, num_heads, head_dim = k.shape
-    assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    assert slots.shape == (num_tokens,) and not slots.is_floating_point(), "slots must be [T] integers"
+    if v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    check_int_vector(slots, "slots", num_tokens)
     for buf in (k_buf, v_buf):
-        assert buf.dim() == 3 and buf.shape[1:] == (num_heads, head_dim), \
-            f"buffer {tuple(buf.shape)} does not hold [*, {num_heads}, {head_dim}]"
-    for x in (k, v, k_buf, v_buf):
-        assert x.stride(-1) == 1, "the head dim must be contiguous"
+        if buf.dim() != 3 or buf.shape[1:] != (num_heads, head_dim):
+            raise ValueError(f"buffer {tuple(buf.shape)} does not hold [*, {num_heads}, {head_dim}]")
+    check_last_dim_contiguous("the head dim", k, v, k_buf, v_buf)
     if num_tokens == 0:
         return
     _kv_write_kernel[(num_tokens,)](

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from stemma.kernels._triton import cast, check_launchable, is_interpreted, jit, next_pow2, tl
+from stemma.kernels._triton import (cast, check_last_dim_contiguous, check_launchable, is_interpreted, jit,
+                                    next_pow2, tl)
 
 
 @jit
@@ -37,7 +38,9 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
 
 
 def _rows(x: torch.Tensor, hidden: int) -> torch.Tensor:
-    assert x.shape[-1] == hidden and x.stride(-1) == 1, f"last dim must be {hidden} and contiguous"
+    if x.shape[-1] != hidden:
+        raise ValueError(f"last dim must be {hidden}, got {tuple(x.shape)}")
+    check_last_dim_contiguous("the last dim", x)
     return x.reshape(-1, hidden)
 
 
@@ -45,12 +48,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             gemma: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Normalizes x [..., H] over its last dim. With a residual, returns (normed, x + residual)."""
     hidden = weight.shape[-1]
-    assert weight.shape == (hidden,), f"weight must be [H], got {tuple(weight.shape)}"
+    if weight.dim() != 1:
+        raise ValueError(f"weight must be [H], got {tuple(weight.shape)}")
     rows = _rows(x, hidden)
     out = torch.empty_like(rows)
-    res = _rows(residual, hidden) if residual is not None else rows
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual is {residual.dtype} but x is {x.dtype}")
+    res = _rows(residual, hidden) if residual is not None else rows
     x_sum = torch.empty_like(rows) if residual is not None else out
     check_launchable(_rmsnorm_kernel, rows, res, weight)
     if rows.shape[0]:

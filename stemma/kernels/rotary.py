@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from stemma.kernels._triton import cast, check_launchable, is_interpreted, jit, next_pow2, tl
+from stemma.kernels._triton import (cast, check_int_vector, check_last_dim_contiguous, check_launchable,
+                                    is_interpreted, jit, next_pow2, tl)
 
 
 @jit
@@ -48,16 +49,15 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotates q [T, Hq, D] and k [T, Hk, D] in place; positions [T]; cos, sin [max_pos, D/2]."""
     check_launchable(_rotary_kernel, q, k, positions, cos, sin)
     num_tokens, num_q_heads, head_dim = q.shape
-    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, \
-        f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
-    assert head_dim % 2 == 0, f"head_dim {head_dim} must be even"
+    if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even")
     half = head_dim // 2
-    assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == half, \
-        f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be [max_pos, {half}]"
-    assert positions.shape == (num_tokens,) and not positions.is_floating_point(), \
-        "positions must be [T] integers"
-    for x in (q, k, cos, sin):
-        assert x.stride(-1) == 1, "the last dim must be contiguous"
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != half:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be [max_pos, {half}]")
+    check_int_vector(positions, "positions", num_tokens)
+    check_last_dim_contiguous("the last dim", q, k, cos, sin)
     if num_tokens == 0:
         return
     _rotary_kernel[(num_tokens,)](

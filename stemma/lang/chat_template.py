@@ -21,10 +21,13 @@ token when it has one (`stop_ids`), else at the start of a new plain turn (`stop
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from stemma.lang.codec import TokenCodec
 from stemma.lang.ir import ROLES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _SENTINEL = "\u2063STEMMA\u2063"
 
@@ -58,13 +61,14 @@ def for_codec(codec: TokenCodec) -> ChatTemplate:
 
 
 # ---- reading a tokenizer's template ----
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
     if not messages:
         return ""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
 
 
-def _cut(tokenizer: Any, before: list[dict[str, str]], role: str) -> tuple[str, str] | None:
+def _cut(tokenizer: PreTrainedTokenizerBase, before: list[dict[str, str]],
+         role: str) -> tuple[str, str] | None:
     """(prefix, suffix) of `role` after the conversation `before`, or None when the template
     refuses it or does not render the message where expected."""
     try:
@@ -78,7 +82,7 @@ def _cut(tokenizer: Any, before: list[dict[str, str]], role: str) -> tuple[str, 
     return prefix, suffix
 
 
-def from_tokenizer(tokenizer: Any, codec: TokenCodec) -> ChatTemplate:
+def from_tokenizer(tokenizer: PreTrainedTokenizerBase, codec: TokenCodec) -> ChatTemplate:
     turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     user = _cut(tokenizer, turn, "user") or _cut(tokenizer, [], "user")
     assistant = _cut(tokenizer, turn[:1], "assistant")

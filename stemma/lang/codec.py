@@ -8,7 +8,10 @@ call's prompt and output token for token, which is what lets the radix cache ser
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class TokenCodec(ABC):
@@ -53,7 +56,7 @@ class TokenCodec(ABC):
 class HFCodec(TokenCodec):
     """A Hugging Face tokenizer's ids."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer; programs need one to turn their text "
                              "into token ids")

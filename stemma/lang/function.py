@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeAlias
 
 from stemma.lang.backends.base import Backend
-from stemma.lang.context import get_backend
+from stemma.lang.context import BackendLike, get_backend
 from stemma.lang.interpreter import RunConfig
 from stemma.lang.state import ProgramState, start
-from stemma.lang.tracer import Placeholder, Trace, placeholders, trace
+from stemma.lang.tracer import Placeholder, Trace, TracingState, placeholders, trace
 from stemma.lang.usage import CallRecord, Usage, total
 from stemma.sampling_params import SamplingParams
 
 RESERVED = ("backend", "sampling", "stream")
+# a run's sampling defaults: SamplingParams, or some of its fields by name
+Sampling: TypeAlias = "SamplingParams | Mapping[str, Any] | None"
 
 
 class BatchResult(list):
@@ -43,7 +45,7 @@ class BatchResult(list):
         return total([Usage.of([self.prefill] if self.prefill else []), *(s.usage() for s in self)])
 
 
-def _defaults(sampling: SamplingParams | Mapping[str, Any] | None) -> dict[str, Any]:
+def _defaults(sampling: Sampling) -> dict[str, Any]:
     """The SamplingParams fields every gen of a run starts from, checked before anything runs."""
     if sampling is None:
         return {}
@@ -67,7 +69,7 @@ class Function:
             raise TypeError(f"program {self.name}: parameter name {clash[0]!r} is reserved by run() "
                             f"(reserved: {', '.join(RESERVED)})")
 
-    def __call__(self, s: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, s: ProgramState | TracingState, *args: Any, **kwargs: Any) -> Any:
         """Runs the body on a state of a program already running: programs compose."""
         return self.body(s, *args, **kwargs)
 
@@ -83,8 +85,8 @@ class Function:
         return tuple(args), dict(kwargs)
 
     # ---- one program ----
-    def run(self, *args: Any, backend: Any = None, sampling: Any = None, stream: bool = False,
-            **kwargs: Any) -> ProgramState:
+    def run(self, *args: Any, backend: BackendLike | None = None, sampling: Sampling = None,
+            stream: bool = False, **kwargs: Any) -> ProgramState:
         """Runs the program to its end and returns its state. With stream=True it returns at once;
         iterate `state.text_iter()` to run it."""
         args, kwargs = self.bind(args, kwargs)
@@ -94,7 +96,7 @@ class Function:
         state = start(self.body, args, kwargs, config, asyncio.new_event_loop(), stream, own_loop=True)
         return state if stream else state.wait()
 
-    async def run_async(self, *args: Any, backend: Any = None, sampling: Any = None,
+    async def run_async(self, *args: Any, backend: BackendLike | None = None, sampling: Sampling = None,
                         stream: bool = False, **kwargs: Any) -> ProgramState:
         """run() for asyncio code. With stream=True it returns the state at once; read
         `state.text_aiter()`."""
@@ -111,8 +113,8 @@ class Function:
         """The constant prefix every run of this program starts with."""
         return trace(self.body, self.placeholders())
 
-    def run_batch(self, batch: Sequence[Mapping[str, Any] | Sequence[Any]], *, backend: Any = None,
-                  sampling: Any = None, max_concurrency: int = 32,
+    def run_batch(self, batch: Sequence[Mapping[str, Any] | Sequence[Any]], *,
+                  backend: BackendLike | None = None, sampling: Sampling = None, max_concurrency: int = 32,
                   progress_bar: bool = False) -> BatchResult:
         """Runs the program once per entry of `batch` (a dict of keyword arguments, or a list of
         positional ones), `max_concurrency` at a time, on one event loop. The traced constant
@@ -125,7 +127,8 @@ class Function:
                                                 progress_bar=progress_bar))
 
     async def run_batch_async(self, batch: Sequence[Mapping[str, Any] | Sequence[Any]], *,
-                              backend: Any = None, sampling: Any = None, max_concurrency: int = 32,
+                              backend: BackendLike | None = None, sampling: Sampling = None,
+                              max_concurrency: int = 32,
                               progress_bar: bool = False) -> BatchResult:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeAlias
 
 from stemma.lang.backends.base import Backend
 from stemma.lang.errors import RoleError, UnknownVariable, VariableNotGenerated
@@ -22,6 +22,13 @@ from stemma.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, 
 from stemma.lang.scoring import decide
 from stemma.lang.usage import CallRecord
 from stemma.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from stemma.lang.scoring import SelectResult
+    from stemma.outputs import RequestOutput
+
+Value: TypeAlias = "str | list[Value | None]"  # gen's text, select's choice; a join: each branch's
+Meta: TypeAlias = "RequestOutput | SelectResult | None"  # how a variable was made; None after a join
 
 _SCORE = dict(max_new_tokens=0)
 
@@ -37,8 +44,8 @@ class Snapshot:
     """What a branch inherits from its parent at the fork."""
     ids: tuple[int, ...]
     text: str
-    vars: Mapping[str, Any]
-    metas: Mapping[str, Any]
+    vars: Mapping[str, Value]
+    metas: Mapping[str, Meta]
     messages: tuple[Mapping[str, str], ...]
     role: str | None
     role_start: int
@@ -120,8 +127,8 @@ class StateExecutor:
         self.ids: list[int] = []
         self.pending = ""            # text appended since the last call, not yet tokenized
         self.text = ""
-        self.vars: dict[str, Any] = {}
-        self.metas: dict[str, Any] = {}
+        self.vars: dict[str, Value] = {}
+        self.metas: dict[str, Meta] = {}
         self.own: list[str] = []     # variables this state wrote (not inherited at a fork)
         self.messages: list[dict[str, str]] = []
         self.role: str | None = None
@@ -165,7 +172,7 @@ class StateExecutor:
         if self.error is not None:
             raise self.error
 
-    async def get(self, name: str) -> Any:
+    async def get(self, name: str) -> Value:
         await self._until(lambda: self.started and self._expected[name] == 0)
         if self.error is not None:
             raise self.error
@@ -269,7 +276,7 @@ class StateExecutor:
         if not streamed:
             self._emit(text, generated=True)
 
-    def _set(self, name: str | None, value: Any, meta: Any) -> None:
+    def _set(self, name: str | None, value: Value, meta: Meta) -> None:
         if name is not None:
             self.vars[name] = value
             self.metas[name] = meta

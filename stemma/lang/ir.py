@@ -17,7 +17,7 @@ Nodes are frozen and hold plain values only, so a traced prefix can be compared 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, TypeAlias
 
 ROLES = ("system", "user", "assistant")
 
@@ -36,10 +36,10 @@ class Where:
 class Node:
     """Base of every IR node."""
 
-    def __add__(self, other: Any) -> "Concat":
+    def __add__(self, other: Content) -> "Concat":
         return Concat((self, as_node(other)))
 
-    def __radd__(self, other: Any) -> "Concat":
+    def __radd__(self, other: Content) -> "Concat":
         return Concat((as_node(other), self))
 
     def flatten(self) -> Iterator["Node"]:
@@ -93,7 +93,10 @@ class Concat(Node):
             yield from part.flatten()
 
 
-def as_node(value: Any) -> Node:
+Content: TypeAlias = "Node | str"  # what a program appends: a node, or text
+
+
+def as_node(value: Content) -> Node:
     """A node for what `s += value` was given: a node, or a string (as Text)."""
     if isinstance(value, Node):
         return value

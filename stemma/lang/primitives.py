@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from stemma.lang.ir import Concat, Gen, Node, RoleBegin, RoleEnd, Select, as_node
+from stemma.lang.ir import Concat, Content, Gen, Node, RoleBegin, RoleEnd, Select, as_node
 from stemma.lang.scoring import DEFAULT_METHOD, METHODS
 from stemma.sampling_params import SamplingParams
 
@@ -40,25 +40,25 @@ def select(name: str | None, choices: Sequence[str], method: str = DEFAULT_METHO
     return Select(name, tuple(choices), method)
 
 
-def _check_name(name: Any, what: str) -> None:
+def _check_name(name: str | None, what: str) -> None:
     if name is not None and (not isinstance(name, str) or not name.isidentifier()):
         raise ValueError(f"{what}: a variable name must be an identifier, got {name!r}")
 
 
-def _role(role: str, content: tuple[Any, ...]) -> Node:
+def _role(role: str, content: tuple[Content, ...]) -> Node:
     return Concat((RoleBegin(role), *(as_node(c) for c in content), RoleEnd(role)))
 
 
-def system(*content: Any) -> Node:
+def system(*content: Content) -> Node:
     """A system turn holding `content` (text, gen, select, ...)."""
     return _role("system", content)
 
 
-def user(*content: Any) -> Node:
+def user(*content: Content) -> Node:
     return _role("user", content)
 
 
-def assistant(*content: Any) -> Node:
+def assistant(*content: Content) -> Node:
     return _role("assistant", content)
 
 

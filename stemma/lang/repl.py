@@ -17,6 +17,7 @@ from typing import Any, Callable, TextIO
 
 from stemma.lang.backends.base import Backend
 from stemma.lang.errors import ProgramError
+from stemma.lang.interpreter import Value
 from stemma.lang.ir import Gen, Select
 from stemma.lang.stm import compile_text
 from stemma.lang.usage import Usage
@@ -44,7 +45,7 @@ class Repl:
         self.sampling = dict(sampling or {})
         SamplingParams.from_dict(self.sampling)
         self.out = out or sys.stdout
-        self.vars: dict[str, Any] = {}
+        self.vars: dict[str, Value] = {}
         self.usage = Usage()
 
     def write(self, text: str) -> None:
@@ -88,7 +89,7 @@ class Repl:
     # ---- commands ----
     def command(self, text: str) -> bool:
         name, _, rest = text.partition(" ")
-        actions: dict[str, Callable[[str], Any]] = {
+        actions: dict[str, Callable[[str], None]] = {
             "vars": self.show_vars, "stats": self.show_stats, "reset": self.reset,
             "set": self.set_var, "help": lambda _: self.write(HELP + "\n")}
         if name in ("quit", "q", "exit"):

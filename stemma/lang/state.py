@@ -7,12 +7,14 @@ on its own event loop, which iterating `text_iter()` (or any read) drives.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
-from stemma.lang.interpreter import Run, RunConfig, StateExecutor
-from stemma.lang.ir import as_node
+from stemma.lang.interpreter import Meta, Run, RunConfig, StateExecutor, Value
+from stemma.lang.ir import Content, as_node
 from stemma.lang.suspend import await_only, in_body, run_body, run_now
 from stemma.lang.usage import CallRecord, Usage
+
+T = TypeVar("T")
 
 
 class ProgramState:
@@ -24,24 +26,24 @@ class ProgramState:
         self.return_value: Any = None
 
     # ---- appending ----
-    def __iadd__(self, value: Any) -> "ProgramState":
+    def __iadd__(self, value: Content) -> "ProgramState":
         for node in as_node(value).flatten():
             self._ex.submit(node)
         return self
 
     # ---- reading ----
-    def _wait(self, awaitable) -> Any:
+    def _wait(self, awaitable: Awaitable[T]) -> T:
         if in_body():
             return await_only(awaitable)
         if self._loop is not None and not self._loop.is_closed() and not self._loop.is_running():
             return self._loop.run_until_complete(awaitable)
         return run_now(awaitable)
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> Value:
         """The value of variable `name`; a join makes it the list of the branches' values."""
         return self._wait(self._ex.get(name))
 
-    def get(self, name: str, default: Any = None) -> Any:
+    def get(self, name: str, default: T | None = None) -> Value | T | None:
         try:
             return self[name]
         except LookupError:
@@ -58,7 +60,7 @@ class ProgramState:
         """The token ids the next model call would be sent (before any text it appends)."""
         return self._wait(self._ex.token_ids())
 
-    def vars(self) -> dict[str, Any]:
+    def vars(self) -> dict[str, Value]:
         self._wait(self._ex.idle())
         return dict(self._ex.vars)
 
@@ -67,7 +69,7 @@ class ProgramState:
         self._wait(self._ex.idle())
         return [dict(m) for m in self._ex.messages]
 
-    def meta(self, name: str) -> Any:
+    def meta(self, name: str) -> Meta:
         """How `name` was made: a RequestOutput for gen (finish_reason, token counts, cached
         tokens), a SelectResult for select (the scores of every choice)."""
         self[name]
@@ -167,7 +169,7 @@ class ForkGroup(Sequence[ProgramState]):
     def __len__(self) -> int:
         return len(self.branches)
 
-    def __iadd__(self, value: Any) -> "ForkGroup":
+    def __iadd__(self, value: Content) -> "ForkGroup":
         """Appends the same thing to every branch."""
         for branch in self.branches:
             branch += value

@@ -26,13 +26,18 @@ import ast
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeAlias
 
 from stemma.lang.errors import StmSyntaxError, UnknownVariable
 from stemma.lang.function import Function
 from stemma.lang.ir import ROLES, Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, Where
 from stemma.lang.primitives import gen, select
 from stemma.lang.tracer import Placeholder
+
+if TYPE_CHECKING:
+    from lark import Tree
+
+OptionValue: TypeAlias = "str | int | float | bool | list[OptionValue] | None"  # a literal in a hole
 
 ALIASES = {"max_tokens": "max_new_tokens"}
 KEYWORDS = ("gen", "select", *ROLES)
@@ -84,7 +89,7 @@ def parse(source: str, name: str = "<text>"):
 
 
 # ---- values ----
-def _value(tree) -> Any:
+def _value(tree: Tree) -> OptionValue:
     kind = tree.data
     if kind == "list":
         return [_value(child) for child in tree.children]
@@ -102,11 +107,11 @@ def _value(tree) -> Any:
 class _Hole:
     head: str
     flags: tuple[str, ...]
-    options: Mapping[str, Any]
+    options: Mapping[str, OptionValue]
     where: Where
 
 
-def _hole(tree, name: str) -> _Hole:
+def _hole(tree: Tree, name: str) -> _Hole:
     head_tree, *args = tree.children
     flags, options = [], {}
     where = Where(tree.meta.line, tree.meta.column, name)
@@ -146,7 +151,7 @@ def _compile_hole(hole: _Hole) -> Node:
     return VarRef(head, where)
 
 
-def _select(var: str | None, options: Mapping[str, Any]) -> Select:
+def _select(var: str | None, options: Mapping[str, OptionValue]) -> Select:
     if var is None:
         raise ValueError("needs a variable name: {select name choices=[...]}")
     unknown = sorted(set(options) - {"choices", "method"})

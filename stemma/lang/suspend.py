@@ -9,9 +9,11 @@ thousands of program bodies can wait at once on one thread, each inside its own 
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import greenlet
+
+T = TypeVar("T")
 
 
 class _BodyGreenlet(greenlet.greenlet):
@@ -23,7 +25,7 @@ def in_body() -> bool:
     return isinstance(greenlet.getcurrent(), _BodyGreenlet)
 
 
-def await_only(awaitable: Awaitable[Any]) -> Any:
+def await_only(awaitable: Awaitable[T]) -> T:
     """Waits for `awaitable` from inside a program body; returns its result or raises its error."""
     current = greenlet.getcurrent()
     if not isinstance(current, _BodyGreenlet):
@@ -31,7 +33,7 @@ def await_only(awaitable: Awaitable[Any]) -> Any:
     return current.parent.switch(awaitable)
 
 
-async def run_body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+async def run_body(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Runs `fn(*args, **kwargs)`; each await_only inside it suspends this task, not the thread."""
     child = _BodyGreenlet(fn, parent=greenlet.getcurrent())
     child.gr_context = contextvars.copy_context()
@@ -46,7 +48,7 @@ async def run_body(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return request
 
 
-def run_now(awaitable: Awaitable[Any]) -> Any:
+def run_now(awaitable: Coroutine[object, None, T]) -> T:
     """Runs a coroutine outside any body and loop, when what it waits for is already there (a
     finished program); raises if it would have to wait."""
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from stemma.lang.chat_template import ChatTemplate
-from stemma.lang.ir import Node, RoleBegin, RoleEnd, Text, as_node
+from stemma.lang.ir import Content, Node, RoleBegin, RoleEnd, Text, as_node
 
 
 class StopTracing(Exception):
@@ -49,7 +49,7 @@ class TracingState:
     def __init__(self):
         self.nodes: list[Node] = []
 
-    def __iadd__(self, value: Any) -> "TracingState":
+    def __iadd__(self, value: Content | Placeholder) -> "TracingState":
         if isinstance(value, Placeholder):
             value._stop()
         for node in as_node(value).flatten():

@@ -4,11 +4,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from stemma.models.spec import ModelSpec, spec_from_config
+from stemma.registry import MODEL_FAMILIES
 from stemma.text.tokenizer import load_tokenizer
 
 
@@ -16,8 +17,8 @@ from stemma.text.tokenizer import load_tokenizer
 @dataclass(frozen=True)
 class LoadedModel:
     model: torch.nn.Module
-    config: Any          # the transformers config
-    tokenizer: Any       # a transformers tokenizer, or None when the folder has none
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None when the folder has none
     spec: ModelSpec
     source: str
 
@@ -37,32 +38,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return names[dtype]
 
 
-def model_class(spec: ModelSpec):
-    if spec.family == "gemma3":
-        from stemma.models.gemma3 import Gemma3ForCausalLM
-        return Gemma3ForCausalLM
-    from stemma.models.llama import LlamaForCausalLM
-    return LlamaForCausalLM
-
-
-def build_model(config: Any, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.nn.Module, ModelSpec]:
     spec = spec_from_config(config)
     with torch.device("meta"):
-        model = model_class(spec)(spec, config)
+        model = MODEL_FAMILIES.get(spec.family)(spec, config)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(tensors)
     return model.eval().requires_grad_(False), spec
 
 
-def read_checkpoint(path: Path, dtype: torch.dtype):
+def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[
+        PretrainedConfig, PreTrainedTokenizerBase | None, dict[str, torch.Tensor]]:
     """(config, tokenizer or None, HF-named tensors) from a GGUF file or a Hugging Face folder."""
     if path.is_file() and path.suffix == ".gguf":
         from stemma.loader.gguf.loader import load_gguf
         ckpt = load_gguf(path, dtype)
         return ckpt.config, ckpt.tokenizer, ckpt.tensors
     if path.is_dir():
-        from stemma.models import hf_folder
+        from stemma.loader import hf_folder
         config = hf_folder.read_config(path)
         spec_from_config(config)  # reject unsupported architectures before reading weights
         tensors = hf_folder.read_tensors(path, dtype)

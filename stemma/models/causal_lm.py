@@ -5,10 +5,11 @@ the final norm, the logits and weight loading live here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from stemma.attention.base import AttentionLayer
 from stemma.models.layers import ForwardContext, RMSNorm, Rotary
@@ -37,7 +38,7 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     norm_offset = 0.0
 
-    def __init__(self, spec: ModelSpec, config: Any, make_layer: Callable[..., nn.Module]):
+    def __init__(self, spec: ModelSpec, config: PretrainedConfig, make_layer: Callable[..., nn.Module]):
         super().__init__()
         self.spec = spec
         with torch.device("cpu"):  # real tensors even when the model is built on the meta device

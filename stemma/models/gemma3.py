@@ -7,6 +7,7 @@ from torch import nn
 
 from stemma.models.causal_lm import CausalLM
 from stemma.models.layers import Attention, ForwardContext, GatedMLP, RMSNorm
+from stemma.registry import MODEL_FAMILIES
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -25,6 +26,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+@MODEL_FAMILIES.register("gemma3")
 class Gemma3ForCausalLM(CausalLM):
     norm_offset = 1.0
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from stemma.attention.base import AttentionBackend, AttentionLayer
@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary embedding (NEOX, rotate-half layout) with inverse frequencies from transformers' rope table."""
 
-    def __init__(self, config: Any, head_dim: int, rope_key: str | None):
+    def __init__(self, config: PretrainedConfig, head_dim: int, rope_key: str | None):
         super().__init__()
         self.key = rope_key
         params = config.rope_parameters or {}

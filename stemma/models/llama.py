@@ -6,6 +6,7 @@ from torch import nn
 
 from stemma.models.causal_lm import CausalLM
 from stemma.models.layers import Attention, ForwardContext, GatedMLP, RMSNorm
+from stemma.registry import MODEL_FAMILIES
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -21,6 +22,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@MODEL_FAMILIES.register("llama")
 class LlamaForCausalLM(CausalLM):
     def __init__(self, spec, config):
         super().__init__(spec, config, LlamaDecoderLayer)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-# model_type -> (architecture family, q/k/v bias, q/k norm)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# model_type -> (architecture family: a stemma.registry.MODEL_FAMILIES name, q/k/v bias, q/k norm)
 _FAMILIES = {
     "llama": ("llama", False, False),
     "mistral": ("llama", False, False),
@@ -52,11 +55,11 @@ class ModelSpec:
         return self.hidden_size ** 0.5 if self.family == "gemma3" else None
 
 
-def _text_config(config: Any) -> Any:
+def _text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _layer_types(config: Any, n: int) -> list[str]:
+def _layer_types(config: PretrainedConfig, n: int) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)
@@ -64,7 +67,7 @@ def _layer_types(config: Any, n: int) -> list[str]:
     return [kind] * n
 
 
-def check_rope(config: Any, keys: set[str | None]) -> None:
+def check_rope(config: PretrainedConfig, keys: set[str | None]) -> None:
     params = getattr(config, "rope_parameters", None) or {}
     for key in keys:
         entry = params.get(key, {}) if key else params
@@ -73,7 +76,7 @@ def check_rope(config: Any, keys: set[str | None]) -> None:
             raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
 
 
-def spec_from_config(config: Any) -> ModelSpec:
+def spec_from_config(config: PretrainedConfig) -> ModelSpec:
     config = _text_config(config)
     model_type = config.model_type
     if model_type == "gemma3":

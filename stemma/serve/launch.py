@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,7 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from stemma.engine_config import EngineConfig
+from stemma.log import check_level
 from stemma.protocol.messages import DEFAULT_MAX_FRAME_BYTES
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "STEMMA_API_KEY"
 STOP_GRACE_S = 10.0
@@ -60,19 +64,25 @@ def _spawn(module: str, spec: dict[str, Any]) -> subprocess.Popen:
 
 
 class ServerProcesses:
-    """The engine and gateway processes of one server. `address` None: an ipc path of their own."""
+    """The engine and gateway processes of one server. `address` None: an ipc path of their own.
+    `log_level` (one of stemma.log.LEVELS) is what both children log at, on their stderr."""
 
     def __init__(self, engine: EngineConfig, address: str | None = None, api_key: str | None = None,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, log_level: str = "warning"):
+        log_level = check_level(log_level)
         self.folder = tempfile.mkdtemp(prefix="stemma-")  # mode 0700: only we reach the ipc paths
         self.address = address or f"ipc://{self.folder}/client"
         self.api_key = api_key
         requests, outputs = f"ipc://{self.folder}/requests", f"ipc://{self.folder}/outputs"
         self.engine = _spawn("stemma.engine.process", {
-            "engine": dataclasses.asdict(engine), "requests": requests, "outputs": outputs})
+            "engine": dataclasses.asdict(engine), "requests": requests, "outputs": outputs,
+            "log_level": log_level})
         self.gateway = _spawn("stemma.serve.gateway", {
             "address": self.address, "requests": requests, "outputs": outputs,
-            "engine_pid": self.engine.pid, "api_key": api_key, "max_frame_bytes": max_frame_bytes})
+            "engine_pid": self.engine.pid, "api_key": api_key, "max_frame_bytes": max_frame_bytes,
+            "log_level": log_level})
+        logger.debug("started the engine (pid %d) and the gateway (pid %d) for %s",
+                     self.engine.pid, self.gateway.pid, self.address)
 
     def exited(self) -> str | None:
         """Which child has exited, with its status, or None while both run."""
@@ -112,32 +122,34 @@ class ServerProcesses:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def serve(engine: EngineConfig, config: ServeConfig) -> int:
-    """Runs a server until SIGINT/SIGTERM (status 0) or until a child dies (status 1)."""
+def serve(engine: EngineConfig, config: ServeConfig, log_level: str = "info") -> int:
+    """Runs a server until SIGINT/SIGTERM (status 0) or until a child dies (status 1). Its own
+    messages go to the `stemma.serve.launch` logger (`stemma.log.configure` shows them, as the
+    `stemma` command does); the children log at `log_level`."""
     api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
     if config.host not in LOOPBACK and api_key is None:
-        print(f"stemma: warning: serving on {config.host} without an API key", file=sys.stderr)
+        logger.warning("serving on %s without an API key", config.host)
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
         stop["signal"] = signum
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    procs = ServerProcesses(engine, config.address, api_key, config.max_frame_bytes)
+    procs = ServerProcesses(engine, config.address, api_key, config.max_frame_bytes, log_level)
     try:
         try:
             if procs.wait_ready(None, lambda: stop["signal"] is not None):
-                print(f"stemma: serving {engine.model or 'the default model'} at {config.address}",
-                      file=sys.stderr, flush=True)
+                logger.info("serving %s at %s", engine.model or "the default model", config.address)
         except RuntimeError as exc:
-            print(f"stemma: error: {exc}", file=sys.stderr)
+            logger.error("%s", exc)
             return 1
         while stop["signal"] is None:
             died = procs.exited()
             if died:
-                print(f"stemma: error: {died}; shutting down", file=sys.stderr)
+                logger.error("%s; shutting down", died)
                 return 1
             time.sleep(0.1)
+        logger.debug("signal %d: stopping the server", stop["signal"])
         return 0
     finally:
         procs.stop()

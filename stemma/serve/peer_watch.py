@@ -15,8 +15,7 @@ from __future__ import annotations
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
+from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 
 def configure(sock: zmq.Socket) -> None:

@@ -19,11 +19,12 @@ from stemma.serve.launch import ServerProcesses
 
 class Runtime:
     def __init__(self, model: str | None = None, *, start_timeout: float | None = 600.0,
-                 **engine_config: Any):
+                 log_level: str = "warning", **engine_config: Any):
         """`engine_config` takes the fields of EngineConfig, as Engine does; they are checked here,
-        before any process starts."""
+        before any process starts. `log_level` (one of stemma.log.LEVELS) is what the two
+        children log at, on this process's stderr."""
         config = EngineConfig.from_kwargs(model=model, **engine_config)
-        self._procs: ServerProcesses | None = ServerProcesses(config)
+        self._procs: ServerProcesses | None = ServerProcesses(config, log_level=log_level)
         atexit.register(self.close)
         try:
             self._procs.wait_ready(start_timeout)

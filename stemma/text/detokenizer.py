@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from stemma.sampling_params import SamplingParams
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
@@ -103,7 +105,8 @@ class TextStream:
         self.stops = StopTextTracker(stops)
 
     @classmethod
-    def of(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams, context: Sequence[int]) -> TextStream:
+    def of(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
+           context: Sequence[int]) -> TextStream:
         """The stream of a request's output text: its stop strings and special-token rule, with
         the prompt `context` before the first token."""
         return cls(tokenizer, params.stop, params.skip_special_tokens, context)
