@@ -32,3 +32,66 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+class CpuAudit:
+    """CPU time the machine spent outside this process tree while a block ran (Linux /proc only;
+    elsewhere every figure is nan). A benchmark on a shared machine can flag rounds that others
+    disturbed: `with CpuAudit() as a: ...; a.foreign_cores` (average cores used by others)."""
+
+    def __enter__(self) -> "CpuAudit":
+        self._t0, self._busy0, self._ours0 = time.perf_counter(), _machine_busy(), _tree_cpu()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self._t0
+        busy, ours = _machine_busy() - self._busy0, _tree_cpu() - self._ours0
+        self.busy_cores = busy / self.wall
+        self.ours_cores = ours / self.wall
+        self.foreign_cores = max(0.0, busy - ours) / self.wall
+
+
+def _clock_ticks() -> float:
+    import os
+    try:
+        return float(os.sysconf("SC_CLK_TCK"))
+    except (ValueError, OSError, AttributeError):
+        return 100.0
+
+
+def _machine_busy() -> float:
+    """Seconds of CPU time (all cores, not idle or iowait) since boot; nan without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    return (sum(fields[:8]) - fields[3] - fields[4]) / _clock_ticks()
+
+
+def _tree_cpu() -> float:
+    """Seconds of CPU time used by this process and its descendants (live ones, and the children
+    they have waited for); nan without /proc."""
+    import os
+    try:
+        parents, cpu = {}, {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(name)] = int(rest[1])
+            cpu[int(name)] = sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
+    except OSError:
+        return float("nan")
+    ours, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in ours:
+                ours.add(child)
+                frontier.append(child)
+    return sum(cpu.get(p, 0) for p in ours) / _clock_ticks()

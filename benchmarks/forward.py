@@ -68,15 +68,19 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="stemma's weights (transformers' are dense in --dtype)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(os.cpu_count() or 1)
 
     import stemma
     from stemma.loader.gguf.loader import default_model_path
-    stemma.Engine(dtype=args.dtype, kv_pool_tokens=1024)  # fills the loader's disk cache if cold
+    # fills the loader's disk cache and the dispatch table if cold
+    stemma.Engine(dtype=args.dtype, quantization=args.quantization, kv_pool_tokens=1024)
     t0 = time.perf_counter()
-    engine = stemma.Engine(dtype=args.dtype, kv_pool_tokens=max(args.batches) * (PROMPT_LEN + args.steps + 64),
+    engine = stemma.Engine(dtype=args.dtype, quantization=args.quantization,
+                           kv_pool_tokens=max(args.batches) * (PROMPT_LEN + args.steps + 64),
                            max_running_requests=max(args.batches))
     stemma_load = time.perf_counter() - t0
 
@@ -93,7 +97,8 @@ def main() -> None:
         theirs = hf_decode_step(hf, b, args.steps)
         rows.append([f"decode step, batch {b} (ms)", theirs * 1e3, ours * 1e3, theirs / ours])
         print(f"  batch {b}: transformers {theirs * 1e3:.1f} ms, stemma {ours * 1e3:.1f} ms", flush=True)
-    print(f"default model {path.name}, dtype {args.dtype}, {torch.get_num_threads()} threads, "
+    print(f"default model {path.name}, dtype {args.dtype}, stemma quantization {args.quantization} "
+          f"({'/'.join(sorted(set(engine.loaded.stores.values())))} matrices), {torch.get_num_threads()} threads, "
           f"prompt {PROMPT_LEN} tokens, median of {args.steps} steps")
     print(table(["what", "transformers", "stemma", "speed-up (x)"], rows))
 

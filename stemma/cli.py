@@ -130,6 +130,11 @@ def cmd_repl(ns) -> int:
         backend.close()
 
 
+def cmd_tune(ns) -> int:
+    from stemma.engine.tune_command import run_tune
+    return run_tune(collect(ns, EngineConfig), show_only=ns.show, all_stores=ns.all)
+
+
 def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--log-level", choices=LEVELS, default=default,
                         help=f"what stemma logs to stderr, its server processes included "
@@ -167,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(repl)
     _add_log_level(repl, "warning")
     repl.set_defaults(func=cmd_repl)
+    tune = sub.add_parser("tune", help="measure (or show) the kernel dispatch table of a model on this machine",
+                          description="Times every kernel each of the model's matrices can run at 1-128 "
+                                      "rows and caches the fastest per row count (the engine does this "
+                                      "at a model's first load). --show prints the cached table, "
+                                      "measuring it only if there is none.")
+    tune.add_argument("--show", action="store_true", help="print the cached table; measure only if absent")
+    tune.add_argument("--all", action="store_true",
+                      help="also time the stores the model does not use (int8/int4 for dense matrices, ...)")
+    add_dataclass_args(tune, EngineConfig)
+    _add_log_level(tune, "info")
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 

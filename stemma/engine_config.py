@@ -7,9 +7,11 @@ from typing import Any, Sequence
 from stemma.registry import ATTENTION_BACKENDS, POLICIES
 
 BATCHING = ("continuous", "dynamic", "static")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # how weight matrices are held (stemma.loader.quantize)
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
-def one_of(default: str, names: Sequence[str]) -> Any:
+def one_of(default: str | int, names: Sequence[str | int]) -> Any:
     """A field whose value must be one of `names`: validated in __post_init__, and argparse
     `choices` for its flag (stemma.cli_args reads the field's metadata)."""
     return field(default=default, metadata={"choices": tuple(names)})
@@ -19,6 +21,8 @@ def one_of(default: str, names: Sequence[str]) -> Any:
 class EngineConfig:
     model: str | None = None              # None: the default Gemma 3 270M GGUF
     dtype: str = "auto"                   # auto: bf16 on CUDA and on CPUs with native bf16
+    quantization: str = one_of("auto", QUANTIZATIONS)  # auto: a GGUF keeps its tensors' precision
+    int4_group_size: int = one_of(64, INT4_GROUP_SIZES)  # weights per int4 scale and zero point
     device: str = "auto"                  # auto: cuda when available, else cpu
     kv_pool_tokens: int = 65536
     max_running_requests: int = 128

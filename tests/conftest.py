@@ -9,3 +9,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 # the other core (as on a 2-core CI machine running subprocess servers). Must precede torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "0")  # tests run subprocess servers beside themselves
+
+# Each of the suite's many tiny models would otherwise measure a kernel dispatch table at first
+# load (stemma.executor.tuning); tests of the tuner itself turn it back on.
+os.environ.setdefault("STEMMA_AUTOTUNE", "0")

@@ -21,7 +21,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    return stemma.Engine(dtype="float32", kv_pool_tokens=4096, max_running_requests=8)
+    return stemma.Engine(dtype="float32", quantization="none", kv_pool_tokens=4096, max_running_requests=8)
 
 
 @pytest.fixture(scope="module")

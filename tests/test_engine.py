@@ -118,3 +118,26 @@ def test_n_samples_share_prompt(folder):
     assert sum(o.meta["cached_tokens"] for o in outs) >= 3 * (len(prompt) - 1)
     assert len({tuple(o.token_ids) for o in outs}) > 1
     finish_clean(engine)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_reference(request, folder):
+    """Each prompt alone, greedy, with weight-only quantized matrices (fp32 activations)."""
+    engine = make(folder, quantization=request.param)
+    assert set(engine.loaded.stores.values()) >= {request.param}
+    ref = [engine.generate(p, GREEDY).token_ids for p in prompts()]
+    finish_clean(engine)
+    return request.param, ref
+
+
+@pytest.mark.parametrize("case", ["batched", "radix_off", "chunked_32", "policy_sjf", "kv_pressure"])
+def test_greedy_invariance_quantized(folder, quantized_reference, case):
+    quantization, ref = quantized_reference
+    options = CASES.get(case, {})
+    if case == "kv_pressure":
+        need = sum(len(p) + GREEDY.max_new_tokens for p in prompts())
+        options = {"kv_pool_tokens": need // 4, "chunked_prefill_size": 32}
+    engine = make(folder, quantization=quantization, **options)
+    outs = engine.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    finish_clean(engine)

@@ -1,30 +1,145 @@
-"""`models.linear`: the CPU projection for small batches equals `torch.nn.functional.linear`."""
+"""Weight stores (dense, int8, int4), the matrices over them, and the kernel dispatch table."""
 import torch
 from hypothesis import given, settings, strategies as st
 
-from stemma.models.linear import SMALL_ROWS, Linear, linear
+import pytest
+
+from stemma.executor import tuning
+from stemma.models.linear import Embedding, KernelChoice, Linear
+from stemma.models.weights import DenseWeight, Int4Weight, Int8Weight, check_int4_layout
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, SMALL_ROWS + 8), st.integers(1, 48), st.integers(1, 40), st.booleans(), st.integers(0, 2**31))
-def test_linear_matches_torch_in_float32(rows, n_in, n_out, with_bias, seed):
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
-    b = torch.randn(n_out, generator=g) if with_bias else None
-    got = linear(x, w, b)
+@given(st.integers(1, 40), st.integers(1, 48), st.integers(1, 40), st.sampled_from(["linear", "mm_t"]),
+       st.integers(0, 2**31))
+def test_dense_kernels_match_torch_in_float32(rows, n_in, n_out, kernel, seed):
+    x, w = rand(rows, n_in, seed=seed), rand(n_out, n_in, seed=seed + 1)
+    got = DenseWeight(w).matmul(x, kernel)
     assert got.shape == (rows, n_out)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
-def test_small_batches_come_back_transposed_and_large_ones_row_major():
-    w = torch.randn(24, 16)
-    assert linear(torch.randn(4, 16), w).t().is_contiguous()
-    assert linear(torch.randn(1, 16), w).shape == (1, 24)
-    assert linear(torch.randn(SMALL_ROWS + 1, 16), w).is_contiguous()
+def test_mm_t_comes_back_transposed():
+    w = rand(24, 16)
+    assert DenseWeight(w).matmul(rand(4, 16), "mm_t").t().is_contiguous()
+    assert DenseWeight(w).matmul(rand(1, 16), "mm_t").shape == (1, 24)
 
 
-def test_linear_module_keeps_nn_linear_parameters():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matches_its_dequantized_weight(dtype):
+    w = rand(128, 96)
+    store = Int8Weight.quantize(w, dtype)
+    assert (store.dequantize() - w).abs().max() <= store.scales.float().max() / 2 + 1e-6
+    x = rand(5, 96).to(dtype)
+    ref = x.float() @ store.dequantize().t()
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * ref.abs().max().item()
+    torch.testing.assert_close(store.matmul(x, "int8").float(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_matches_its_dequantized_weight_and_rows(group):
+    w = rand(192, 256)
+    store = Int4Weight.quantize(w, torch.float32, group)
+    deq = store.dequantize()
+    span = w.reshape(192, -1, group)
+    bound = ((span.amax(-1) - span.amin(-1)) / 15 / 2).repeat_interleave(group, dim=1)
+    assert ((deq - w).abs() <= bound + 1e-5).all()
+    x = rand(7, 256)
+    torch.testing.assert_close(store.matmul(x, "int4"), x @ deq.t(), atol=1e-3, rtol=1e-4)
+    ids = torch.tensor([[0, 63, 64], [191, 5, 100]])
+    torch.testing.assert_close(store.rows(ids), deq[ids])
+
+
+def test_int4_refuses_shapes_its_kernel_does_not_take():
+    with pytest.raises(ValueError, match="int4 needs"):
+        Int4Weight.quantize(rand(96, 64), torch.float32, 64)
+    with pytest.raises(ValueError, match="group size"):
+        Int4Weight.quantize(rand(64, 64), torch.float32, 16)
+    assert check_int4_layout()
+
+
+@pytest.mark.parametrize("make", [lambda w: Int8Weight.quantize(w, torch.float32),
+                                  lambda w: Int4Weight.quantize(w, torch.float32, 32)])
+def test_a_quantized_row_gets_the_same_result_alone_or_batched(make):
+    store = make(rand(128, 64))
+    kernel = store.kernels[0]
+    x = rand(17, 64)
+    batched = store.matmul(x, kernel)
+    for i in (0, 5, 16):
+        assert torch.equal(store.matmul(x[i:i + 1], kernel)[0], batched[i])
+
+
+def test_matrices_keep_torch_parameter_names_and_swap_stores():
     layer = Linear(16, 8, bias=True)
-    assert isinstance(layer, torch.nn.Linear) and set(dict(layer.named_parameters())) == {"weight", "bias"}
-    x = torch.randn(3, 16)
+    assert set(dict(layer.named_parameters())) == {"weight", "bias"}
+    torch.nn.init.normal_(layer.weight), torch.nn.init.normal_(layer.bias)
+    x = rand(3, 16)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    emb = Embedding(128, 32)
+    torch.nn.init.normal_(emb.weight)
+    dense = emb.weight.detach().clone()
+    emb.use_store(Int8Weight.quantize(dense, torch.float32))
+    assert emb.weight is None and "weight" not in dict(emb.named_parameters())
+    ids = torch.tensor([1, 127, 3])
+    torch.testing.assert_close(emb(ids), dense[ids], atol=dense.abs().max().item() / 127, rtol=0)
+    torch.testing.assert_close(emb.matmul(rand(2, 32)), rand(2, 32) @ emb.store.dequantize().t(),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_choice_picks_by_row_count():
+    choice = KernelChoice((1, 4, 16), ("mm_t", "linear", "int8"))
+    assert [choice.pick(r) for r in (1, 2, 4, 5, 16, 500)] == ["mm_t", "linear", "linear", "int8", "int8", "int8"]
+    with pytest.raises(ValueError):
+        KernelChoice((4, 1), ("a", "b"))
+
+
+def test_dispatch_table_is_measured_cached_and_applied(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEMMA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "MIN_TIME_S", 0.0)
+    model = TinyModel()
+    table = tuning.load_or_measure(model, torch.float32)
+    assert [e.shape for e in table.entries] == [("dense", 64, 32), ("int8", 128, 64)]
+    assert all(len(e.choice) == len(tuning.ROW_COUNTS) for e in table.entries)
+    assert set(table.entries[0].choice) <= {"linear", "mm_t"} and set(table.entries[1].choice) == {"int8"}
+    assert list(tmp_path.glob("tune/*.json"))
+    again = tuning.load_or_measure(model, torch.float32)   # read back, not measured again
+    assert again.seconds == table.seconds and again.entries[0].times_ms == table.entries[0].times_ms
+    tuning.apply(model, table)
+    assert model.a.kernels == table.entries[0].kernels()
+    assert "int8" in table.show() and "*" in table.show()
+    wide = tuning.measure(tuning.shapes_of(model), torch.float32, all_stores=True)
+    assert set(wide.entries[0].times_ms) == {"linear", "mm_t", "int8"}   # 32 inputs: no int4 group
+    assert set(wide.entries[1].times_ms) == {"linear", "mm_t", "int8", "int4"}
+    assert set(wide.entries[0].choice) <= {"linear", "mm_t"}  # each matrix runs its own store's kernels
+    assert set(wide.entries[1].choice) == {"int8"}
+
+
+def test_a_forced_table_without_bf16_runs_fp32_and_int8():
+    """What a CPU without native bf16 gets: fp32 activations, dense or int8 kernels as its table says."""
+    model = TinyModel()
+    forced = tuning.DispatchTable("no-bf16 cpu", torch.__version__, 1, "torch.float32", [
+        tuning.Entry("dense", 64, 32, {"mm_t": [1.0] * 8}, ["mm_t"] * 8),
+        tuning.Entry("int8", 128, 64, {"int8": [1.0] * 8}, ["int8"] * 8)])
+    x = rand(3, 32)
+    expected = model.b.matmul(torch.nn.functional.linear(x, model.a.weight).contiguous())
+    tuning.apply(model, forced)
+    assert model.a.kernels.pick(3) == "mm_t"
+    torch.testing.assert_close(model.b.matmul(model.a.matmul(x)), expected)
+
+
+class TinyModel(torch.nn.Module):
+    """Two matrices, one dense and one int8, with the `matrices()` a CausalLM has."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Linear(32, 64), Linear(64, 128)
+        torch.nn.init.normal_(self.a.weight), torch.nn.init.normal_(self.b.weight)
+        self.b.use_store(Int8Weight.quantize(self.b.weight.detach(), torch.float32))
+        self.norm = torch.nn.Parameter(torch.ones(4))
+
+    def matrices(self):
+        return {"a": self.a, "b": self.b}

@@ -16,6 +16,7 @@ from stemma.engine.request import Request
 from stemma.engine.scheduler import Scheduler
 from stemma.engine.stop import StopRule
 from stemma.engine_config import EngineConfig
+from stemma.executor import tuning
 from stemma.executor.executor import Executor
 from stemma.executor.runner import ModelRunner, RunnerConfig
 from stemma.loader.model import LoadedModel, load_model
@@ -76,7 +77,8 @@ class Engine:
     def __init__(self, model: str | None = None, **config: Any):
         self.config = cfg = EngineConfig.from_kwargs(model=model, **config)
         device = resolve_device(cfg.device)
-        self.loaded = load_model(cfg.model, cfg.dtype, device)
+        self.loaded = load_model(cfg.model, cfg.dtype, device, cfg.quantization, cfg.int4_group_size)
+        self.dispatch = tuning.tune(self.loaded.model, next(self.loaded.model.parameters()).dtype)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, RunnerConfig(
             kv_pool_tokens=cfg.kv_pool_tokens, max_running_requests=cfg.max_running_requests,

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from stemma.loader import quantize
+from stemma.models.causal_lm import CausalLM
 from stemma.models.spec import ModelSpec, spec_from_config
 from stemma.registry import MODEL_FAMILIES
 from stemma.text.tokenizer import load_tokenizer
@@ -16,11 +18,12 @@ from stemma.text.tokenizer import load_tokenizer
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: torch.nn.Module
+    model: CausalLM
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None  # None when the folder has none
     spec: ModelSpec
     source: str
+    stores: dict[str, str] = field(default_factory=dict)  # matrix module name -> dense/int8/int4
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -39,7 +42,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def build_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.nn.Module, ModelSpec]:
+                device: torch.device) -> tuple[CausalLM, ModelSpec]:
     spec = spec_from_config(config)
     with torch.device("meta"):
         model = MODEL_FAMILIES.get(spec.family)(spec, config)
@@ -49,31 +52,45 @@ def build_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtyp
 
 
 def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[
-        PretrainedConfig, PreTrainedTokenizerBase | None, dict[str, torch.Tensor]]:
-    """(config, tokenizer or None, HF-named tensors) from a GGUF file or a Hugging Face folder."""
+        PretrainedConfig, PreTrainedTokenizerBase | None, dict[str, torch.Tensor], dict[str, str] | None]:
+    """(config, tokenizer or None, HF-named tensors, their GGUF types or None) from a GGUF file or
+    a Hugging Face folder."""
     if path.is_file() and path.suffix == ".gguf":
         from stemma.loader.gguf.loader import load_gguf
         ckpt = load_gguf(path, dtype)
-        return ckpt.config, ckpt.tokenizer, ckpt.tensors
+        return ckpt.config, ckpt.tokenizer, ckpt.tensors, ckpt.qtypes
     if path.is_dir():
         from stemma.loader import hf_folder
         config = hf_folder.read_config(path)
         spec_from_config(config)  # reject unsupported architectures before reading weights
         tensors = hf_folder.read_tensors(path, dtype)
-        return config, load_tokenizer(str(path)), tensors
+        return config, load_tokenizer(str(path)), tensors, None
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     raise ValueError(f"{str(path)!r} is neither a .gguf file nor a Hugging Face model folder")
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> LoadedModel:
-    """Loads `path` (None: the default Gemma 3 270M GGUF) onto `device`."""
+               device: str | torch.device = "cpu", quantization: str = "none",
+               int4_group_size: int = 64) -> LoadedModel:
+    """Loads `path` (None: the default Gemma 3 270M GGUF) onto `device`, its matrices held as
+    `quantization` says (see stemma.loader.quantize)."""
     if path is None:
         from stemma.loader.gguf.loader import default_model_path
         path = default_model_path()
+    if quantization not in quantize.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(quantize.QUANTIZATIONS)}, got {quantization!r}")
     device = torch.device(device)
     dt = resolve_dtype(dtype, device)
-    config, tokenizer, tensors = read_checkpoint(Path(path), dt)
-    model, spec = build_model(config, tensors, dt, device)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, spec=spec, source=str(path))
+    quantized = quantization in ("int8", "int4") or (
+        quantization == "auto" and Path(path).suffix == ".gguf" and device.type == "cpu")
+    if quantized and device.type != "cpu":
+        raise ValueError(f"quantization={quantization} runs on CPU only (torch's weight-only kernels); "
+                         f"use quantization=none on {device.type}")
+    config, tokenizer, tensors, qtypes = read_checkpoint(Path(path), torch.float32 if quantized else dt)
+    model, spec = build_model(config, tensors, torch.float32 if quantized else dt, device)
+    stores = {name: "dense" for name in model.matrices()}
+    if quantized:
+        stores = quantize.apply(model, quantize.plan(model, quantization, qtypes), dt, int4_group_size)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, spec=spec, source=str(path),
+                       stores=stores)

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from stemma.attention.base import AttentionLayer
 from stemma.models.layers import ForwardContext, RMSNorm, Rotary
-from stemma.models.linear import linear
+from stemma.models.linear import Embedding, Linear, Matrix
 from stemma.models.spec import ModelSpec
 
 # HF parameter name suffix -> (stemma parameter suffix, shard index within the stacked tensor)
@@ -30,7 +30,7 @@ _PREFIXES = ("language_model.model.", "model.language_model.", "model.")
 class DecoderStack(nn.Module):
     def __init__(self, spec: ModelSpec, layers: list[nn.Module], norm_offset: float):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_offset)
 
@@ -49,13 +49,21 @@ class CausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def attention_layer(self, i: int) -> AttentionLayer:
         s = self.spec
         return AttentionLayer(layer_id=i, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
                               head_dim=s.head_dim, scale=s.attention_scale,
                               sliding_window=s.layer_windows[i], logit_cap=s.attn_logit_softcap)
+
+    def output_matrix(self) -> Matrix:
+        """The vocabulary projection: the embedding itself when tied (one copy of the matrix)."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
+    def matrices(self) -> dict[str, Matrix]:
+        """Every weight matrix by module name: the ones a loader may quantize."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Matrix)}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
@@ -72,8 +80,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, ctx)
         h = self.model.norm(h[ctx.batch.logits_indices])
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(h, weight)
+        logits = self.output_matrix().matmul(h)
         cap = self.spec.final_logit_softcap
         if cap:
             logits = torch.tanh(logits.float() / cap) * cap

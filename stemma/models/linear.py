@@ -1,31 +1,96 @@
-"""`x @ weight^T` shaped for the few rows of a decode step on CPU.
+"""The matrices of a model: `Linear` layers and the token `Embedding`, each over one weight store
+(stemma.models.weights: dense, int8 or int4) chosen when the model is loaded.
 
-With the default model (bf16, 2 cores), oneDNN multiplies `weight @ x^T` much faster than
-`linear(x, weight)` when x has 2-32 rows: the 262k x 640 output matrix took 16-18 ms against
-27-30 ms for 2-16 rows, and the 4096 x 640 gate/up projection 0.24 against 0.33 ms. One row
-takes the matrix-vector path either way (26 ms for the output matrix), so it is padded to two.
-The result is a transposed view ([rows, out] with strides (1, rows)); the next matmul reads it
-without a copy. Past 32 rows, and off the CPU, this is `torch.nn.functional.linear`.
+Both start with a dense parameter named `weight`, as torch's own modules do, so checkpoints load
+by name; `use_store` then swaps in the store the loader chose. A tied output matrix is the
+embedding itself (`Embedding.matmul`), so the matrix is held once, quantized or not.
+
+Which kernel a matrix runs for a batch of `rows` rows is its `kernels` (a `KernelChoice`), set
+from the dispatch table the engine measures at first load on the machine (stemma.executor.tuning);
+until then every dense matrix uses F.linear.
 """
 from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-SMALL_ROWS = 32
+from stemma.models.weights import DenseWeight, WeightStore
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.shape[0]
-    if x.device.type != "cpu" or x.dim() != 2 or not 0 < rows <= SMALL_ROWS:
-        return nn.functional.linear(x, weight, bias)
-    xt = torch.cat([x, x]).t() if rows == 1 else x.t()
-    y = torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)
-    return y[:, :rows].t()
+@dataclass(frozen=True)
+class KernelChoice:
+    """`kernels[i]` serves batches of up to `max_rows[i]` rows (the last one, any larger batch)."""
+    max_rows: tuple[int, ...]
+    kernels: tuple[str, ...]
+
+    def __post_init__(self):
+        if not self.kernels or len(self.max_rows) != len(self.kernels) or list(self.max_rows) != sorted(self.max_rows):
+            raise ValueError(f"bad kernel choice {self}")
+
+    @classmethod
+    def single(cls, kernel: str) -> KernelChoice:
+        return cls((1,), (kernel,))
+
+    def pick(self, rows: int) -> str:
+        i = bisect.bisect_left(self.max_rows, rows)
+        return self.kernels[min(i, len(self.kernels) - 1)]
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose forward is `linear` above."""
+DEFAULT_KERNELS = {"dense": KernelChoice.single("linear"), "int8": KernelChoice.single("int8"),
+                   "int4": KernelChoice.single("int4")}
+
+
+class Matrix(nn.Module):
+    """A weight matrix [out, in] and the store that holds it."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.store: WeightStore | None = None   # None: dense, over `weight`
+        self.kernels: KernelChoice | None = None  # None: the store kind's default
+
+    def use_store(self, store: WeightStore) -> None:
+        """Holds the matrix in `store` from now on; a quantized store replaces the dense weight."""
+        if tuple(store.shape) != tuple(self.weight.shape):
+            raise ValueError(f"store of shape {store.shape} for a matrix of {tuple(self.weight.shape)}")
+        self.store = store
+        if not isinstance(store, DenseWeight):
+            del self.weight
+            self.register_parameter("weight", None)
+
+    def weights(self) -> WeightStore:
+        if self.store is None:
+            self.store = DenseWeight(self.weight)
+        return self.store
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T; on CPU a dense `mm_t` result is a transposed view."""
+        store = self.weights()
+        kernels = self.kernels or DEFAULT_KERNELS[store.kind]
+        return store.matmul(x, kernels.pick(x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]))
+
+
+class Linear(Matrix):
+    """y = x W^T + b, with parameters named as torch.nn.Linear's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(out_features, in_features)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding(Matrix):
+    """Token embeddings [vocab, hidden]: rows looked up from the store (dequantized rows when it
+    is quantized); `matmul` makes it the tied output matrix."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weights().rows(input_ids)

@@ -32,6 +32,7 @@ class GGUFCheckpoint:
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     tensors: dict[str, torch.Tensor]
+    qtypes: dict[str, str]  # HF name -> the GGUF type it was stored in ("Q8_0", "F32", ...)
 
 
 def default_model_path() -> str:
@@ -82,4 +83,6 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype) -> GGUFCheckpoint:
         raise FileNotFoundError(f"no GGUF file at {path}")
     meta = load_metadata(path)
     tensors = _read_tensors(path, meta.index, meta.config, dtype)
-    return GGUFCheckpoint(path, meta.index.architecture, meta.config, meta.tokenizer, tensors)
+    qtypes = {name: entry.qtype.name for entry in meta.index.tensors
+              if (name := hf_name(meta.index.architecture, entry.name)) is not None}
+    return GGUFCheckpoint(path, meta.index.architecture, meta.config, meta.tokenizer, tensors, qtypes)

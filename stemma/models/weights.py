@@ -1,0 +1,184 @@
+"""How a linear layer's weight matrix W [out, in] is held: dense, or weight-only quantized.
+
+    dense  W in the model dtype; kernels `linear` (F.linear) or `mm_t` (W @ x^T, a transposed view)
+    int8   per-output-channel symmetric: W ~ q * s[n], q int8 [out, in], s [out] in the activation
+           dtype; kernel torch.ops.aten._weight_int8pack_mm
+    int4   per-group asymmetric: W[n, k] ~ (q - 8) * scale[k // g, n] + zero[k // g, n], q in
+           [0, 15], packed by torch.ops.aten._convert_weight_to_int4pack_for_cpu; kernel
+           _weight_int4pack_mm_for_cpu (scale and zero interleaved as [in // g, out, 2])
+
+Each store computes `x @ W^T` with a named kernel and reads whole rows back (`rows`), which is
+how a tied embedding looks its tokens up in the same storage as the output matrix: one copy.
+The int8 and int4 kernels give a row bit for bit the same result whatever else is in the batch
+(checked in tests), so a quantized request's output does not depend on what it was batched with;
+dense F.linear does not promise that (oneDNN picks its path by row count), only closeness.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stemma.engine_config import INT4_GROUP_SIZES
+
+_INT4_BLOCK_N = 64  # rows per block of torch's CPU int4 packing (see _unpack_int4_rows)
+
+
+class DenseWeight:
+    kind = "dense"
+    kernels = ("linear", "mm_t")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def matmul(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "mm_t" and x.dim() == 2 and x.shape[0] > 0:
+            rows = x.shape[0]
+            xt = torch.cat([x, x]).t() if rows == 1 else x.t()  # oneDNN's gemv path is slower
+            return torch.mm(self.weight, xt)[:, :rows].t()
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Int8Weight:
+    kind = "int8"
+    kernels = ("int8",)
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        self.q, self.scales = q, scales
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+        w = weight.float()
+        # the scale as the kernel will see it (rounded to `dtype`), so each weight is off by at
+        # most half a step
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(q, scales)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def matmul(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(_rows_of(x, self.scales.dtype), self.q, self.scales)
+        return y.reshape(*lead, -1).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].to(self.scales.dtype) * self.scales[ids, None]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scales.float()[:, None]
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+class Int4Weight:
+    kind = "int4"
+    kernels = ("int4",)
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, in_features: int):
+        self.packed, self.scale_zeros = packed, scale_zeros
+        self.group_size, self.in_features = group_size, in_features
+
+    @staticmethod
+    def supports(weight: torch.Tensor, group_size: int) -> bool:
+        """Whether torch's CPU int4 path takes this shape: out a multiple of its 64-row packing
+        blocks, in a multiple of the group size."""
+        out, k = weight.shape
+        return out % _INT4_BLOCK_N == 0 and k % group_size == 0 and k % 2 == 0
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> Int4Weight:
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        if not cls.supports(weight, group_size):
+            raise ValueError(f"int4 needs out % {_INT4_BLOCK_N} == 0 and in % {group_size} == 0, "
+                             f"got {tuple(weight.shape)}")
+        out, k = weight.shape
+        w = weight.float().reshape(out, k // group_size, group_size)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        # scale and zero as the kernel will see them (rounded to `dtype`); (q - 8) * scale + zero
+        # spans [lo, hi] in 15 steps
+        scale = ((hi - lo) / 15.0).clamp(min=1e-12).to(dtype).float()
+        zero = (lo + 8.0 * scale).to(dtype).float()
+        q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, k).contiguous(), 1)
+        scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        return cls(packed, scale_zeros, group_size, k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.in_features)
+
+    def matmul(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            _rows_of(x, self.scale_zeros.dtype), self.packed, self.group_size, self.scale_zeros)
+        return y.reshape(*lead, -1).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = _unpack_int4_rows(self.packed, ids.reshape(-1), self.in_features)
+        g = self.group_size
+        sz = self.scale_zeros[:, ids.reshape(-1)]                      # [in // g, T, 2]
+        scale = sz[..., 0].t().repeat_interleave(g, dim=1)             # [T, in]
+        zero = sz[..., 1].t().repeat_interleave(g, dim=1)
+        out = (q.to(scale.dtype) - 8) * scale + zero
+        return out.reshape(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.packed.shape[0])).float()
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+
+def _rows_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the [rows, in] row-major matrix the quantized kernels take (a dense `mm_t` result is a
+    transposed view)."""
+    return x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+
+
+def _unpack_int4_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` of the int4 values that _convert_weight_to_int4pack_for_cpu(q, 1) packed.
+
+    Its layout, as measured on torch 2.13 (and re-checked by `check_int4_layout` before use):
+    rows come in blocks of 64; a block is [k / 2, 64] bytes, where byte (j, c) holds
+    q[32 * h + c % 32, 2 * j + c // 32] of the block, h = 0 in the low nibble and 1 in the high.
+    """
+    out = packed.shape[0]
+    blocks = packed.reshape(out // _INT4_BLOCK_N, k // 2, _INT4_BLOCK_N)
+    block, i = ids // _INT4_BLOCK_N, ids % _INT4_BLOCK_N
+    chosen = blocks[block].to(torch.int32)                              # [T, k/2, 64]
+    col = (i % 32)[:, None, None].expand(-1, k // 2, 1)
+    even = chosen[:, :, :32].gather(2, col)[..., 0]
+    odd = chosen[:, :, 32:].gather(2, col)[..., 0]
+    shift = torch.where(i < 32, 0, 4).to(torch.int32)[:, None]
+    return torch.stack([(even >> shift) & 15, (odd >> shift) & 15], dim=-1).reshape(len(ids), k)
+
+
+def check_int4_layout() -> bool:
+    """Whether this torch packs int4 as _unpack_int4_rows reads it (a tied embedding in int4
+    depends on it; without it, that matrix is held in int8)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (2 * _INT4_BLOCK_N, 64), dtype=torch.int32, generator=gen)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (RuntimeError, AttributeError):
+        return False
+    if tuple(packed.shape) != (q.shape[0], q.shape[1] // 2):
+        return False
+    return torch.equal(_unpack_int4_rows(packed, torch.arange(q.shape[0]), q.shape[1]), q)
+
+
+WeightStore = DenseWeight | Int8Weight | Int4Weight
