@@ -111,7 +111,7 @@ def test_dispatch_table_is_measured_cached_and_applied(tmp_path, monkeypatch):
     tuning.apply(model, table)
     assert model.a.kernels == table.entries[0].kernels()
     assert "int8" in table.show() and "*" in table.show()
-    wide = tuning.measure(tuning.shapes_of(model), torch.float32, all_stores=True)
+    wide = tuning.measure(tuning.stores_of(model), torch.float32, all_stores=True)
     assert set(wide.entries[0].times_ms) == {"linear", "mm_t", "int8"}   # 32 inputs: no int4 group
     assert set(wide.entries[1].times_ms) == {"linear", "mm_t", "int8", "int4"}
     assert set(wide.entries[0].choice) <= {"linear", "mm_t"}  # each matrix runs its own store's kernels

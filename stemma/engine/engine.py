@@ -78,7 +78,7 @@ class Engine:
         self.config = cfg = EngineConfig.from_kwargs(model=model, **config)
         device = resolve_device(cfg.device)
         self.loaded = load_model(cfg.model, cfg.dtype, device, cfg.quantization, cfg.int4_group_size)
-        self.dispatch = tuning.tune(self.loaded.model, next(self.loaded.model.parameters()).dtype)
+        self.dispatch = tuning.tune(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, RunnerConfig(
             kv_pool_tokens=cfg.kv_pool_tokens, max_running_requests=cfg.max_running_requests,
@@ -142,11 +142,15 @@ class Engine:
         counters.busy_time += time.perf_counter() - start
         return touched
 
+    def idle_timeout(self) -> float:
+        """How long `wait_for_work` may wait after a step that ran nothing (Scheduler.idle_timeout)."""
+        return self.scheduler.idle_timeout()
+
     def wait_for_work(self, timeout: float | None = None) -> None:
         """After a step that ran nothing: blocks until something may run, or `timeout` seconds
-        (default: the scheduler's idle_timeout, computed now) pass. With a timeout given it reads
-        no engine state, so it may run on another thread (the frontend's backend does)."""
-        self.scheduler.wait(self.scheduler.idle_timeout() if timeout is None else timeout)
+        (default: idle_timeout(), computed now) pass. With a timeout given it reads no engine
+        state, so it may run on another thread (the frontend's backend does)."""
+        self.scheduler.wait(self.idle_timeout() if timeout is None else timeout)
 
     def abort(self, rid: str) -> Request | None:
         return self.scheduler.abort(rid)

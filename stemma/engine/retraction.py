@@ -26,6 +26,10 @@ class Retraction:
         self.counters = counters
         self.scheduled: set[int] = set()  # ids of requests holding slots for this step: never victims
 
+    def begin_step(self) -> None:
+        """A new step: nothing holds slots for it yet."""
+        self.scheduled = set()
+
     def room(self) -> int:
         """Slots that can be had without retracting: free ones plus evictable cached ones."""
         return self.cache.allocator.available + self.cache.evictable_size

@@ -142,8 +142,11 @@ class Scheduler:
         """Seconds until a dynamic batch window closes, when one is open."""
         if self.config.batching != "dynamic" or self.running or not self.waiting:
             return None
-        waited = time.perf_counter() - self.waiting[0].arrival
-        return max(self.config.dynamic_wait_ms / 1000.0 - waited, 0.0)
+        return max(self.config.dynamic_wait_ms / 1000.0 - self._first_waited_s(), 0.0)
+
+    def _first_waited_s(self) -> float:
+        """How long the oldest waiting request has waited."""
+        return time.perf_counter() - self.waiting[0].arrival
 
     # ---- planning ----
     def schedule(self) -> StepPlan:
@@ -152,7 +155,7 @@ class Scheduler:
         if self.grammar_queue:
             plan.finished = self._take_built()
         self.matches.clear()
-        self.retraction.scheduled = set()
+        self.retraction.begin_step()
         admission = Admission(self.config, self.cache, self.req_to_slot, self.running, self.matches,
                               self.retraction, self.counters)
         self._schedule_running(plan, admission)
@@ -172,8 +175,7 @@ class Scheduler:
             return False
         if mode == "dynamic":
             full = len(self.waiting) >= self.config.max_running_requests
-            waited = time.perf_counter() - self.waiting[0].arrival
-            return full or waited * 1000.0 >= self.config.dynamic_wait_ms
+            return full or self._first_waited_s() * 1000.0 >= self.config.dynamic_wait_ms
         return True
 
     def _schedule_running(self, plan: StepPlan, admission: Admission) -> None:

@@ -16,9 +16,8 @@ def run_tune(options: dict[str, Any], show_only: bool, all_stores: bool) -> int:
     config = EngineConfig.from_kwargs(**options)
     loaded = load_model(config.model, config.dtype, resolve_device(config.device), config.quantization,
                         config.int4_group_size)
-    model = loaded.model
-    dtype = next(model.parameters()).dtype
-    table = tuning.load_or_measure(model, dtype, all_stores=all_stores, remeasure=not show_only)
+    table = tuning.load_or_measure(loaded.model, tuning.model_dtype(loaded.model), all_stores=all_stores,
+                                   remeasure=not show_only)
     sys.stdout.write(f"model {loaded.source}, quantization {config.quantization}: "
                      f"{sorted(set(loaded.stores.values()))} stores\n{table.show()}\n")
     return 0

@@ -4,7 +4,8 @@ measured on this machine at the model's first load and cached.
 A kernel that was fastest on one CPU can be the slowest on the next (oneDNN's `F.linear` against
 `W @ x^T` flipped between two machines of this project), so nothing here is a constant: for every
 distinct (store, out, in) of the model, each kernel the store offers is timed at ROW_COUNTS rows
-in the model dtype, and the fastest serves row counts up to that one. `stemma tune --show`
+in the model dtype (timing the model's own store of that shape), and the fastest serves row
+counts up to that one. `stemma tune --show`
 prints the table; `--all` also times the stores the model does not use (int8 and int4 for a
 dense matrix, ...), to see what quantizing would buy.
 
@@ -107,18 +108,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def shapes_of(model: CausalLM) -> list[tuple[str, int, int]]:
-    """The distinct (store kind, out, in) of the model's matrices."""
-    seen = []
+Shape = tuple[str, int, int]  # (store kind, out, in)
+
+
+def stores_of(model: CausalLM) -> dict[Shape, WeightStore]:
+    """One of the model's own stores for each distinct (store kind, out, in) of its matrices."""
+    stores: dict[Shape, WeightStore] = {}
     for matrix in model.matrices().values():
         store = matrix.weights()
-        shape = (store.kind, *store.shape)
-        if shape not in seen:
-            seen.append(shape)
-    return seen
+        stores.setdefault((store.kind, *store.shape), store)
+    return stores
 
 
-def table_path(shapes: list[tuple[str, int, int]], dtype: torch.dtype, all_stores: bool) -> Path:
+def table_path(shapes: list[Shape], dtype: torch.dtype, all_stores: bool) -> Path:
     identity = json.dumps([TABLE_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(),
                            str(dtype), shapes, all_stores])
     return cache_root() / "tune" / f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
@@ -133,54 +135,51 @@ def _time_ms(store: WeightStore, kernel: str, x: torch.Tensor) -> float:
     return (time.perf_counter() - start) / n * 1000.0
 
 
-def _stores(kind: str, out: int, k: int, dtype: torch.dtype, all_stores: bool) -> list[WeightStore]:
-    """Random matrices of the shape in `kind`'s store (and, with all_stores, the others)."""
-    weight = torch.randn(out, k, generator=torch.Generator().manual_seed(0)) / k ** 0.5
-    kinds = ("dense", "int8", "int4") if all_stores else (kind,)
-    stores: list[WeightStore] = []
-    for kd in kinds:
-        if kd == "dense":
-            stores.append(DenseWeight(weight.to(dtype)))
-        elif kd == "int8":
-            stores.append(Int8Weight.quantize(weight, dtype))
-        elif Int4Weight.supports(weight, 64):
-            stores.append(Int4Weight.quantize(weight, dtype, 64))
-    return stores
+def _others(store: WeightStore, dtype: torch.dtype) -> list[WeightStore]:
+    """The same matrix in the stores the model does not use (int4 in groups of 64 where its
+    kernel takes the shape), for `--all`."""
+    weight = store.dequantize()
+    others: list[WeightStore] = []
+    if store.kind != "dense":
+        others.append(DenseWeight(weight.to(dtype)))
+    if store.kind != "int8":
+        others.append(Int8Weight.quantize(weight, dtype))
+    if store.kind != "int4" and Int4Weight.supports(weight, 64):
+        others.append(Int4Weight.quantize(weight, dtype, 64))
+    return others
 
 
 @torch.inference_mode()
-def measure(shapes: list[tuple[str, int, int]], dtype: torch.dtype, all_stores: bool = False) -> DispatchTable:
+def measure(stores: dict[Shape, WeightStore], dtype: torch.dtype, all_stores: bool = False) -> DispatchTable:
+    """Times each kernel of each store (the model's own; with all_stores, the others too) at
+    ROW_COUNTS rows; each matrix gets the fastest of its own store's kernels per row count."""
     start = time.perf_counter()
     entries = []
-    for kind, out, k in shapes:
+    for (kind, out, k), store in stores.items():
         entry = Entry(kind, out, k)
-        for store in _stores(kind, out, k, dtype, all_stores):
-            for kernel in store.kernels:
+        for timed in [store, *(_others(store, dtype) if all_stores else [])]:
+            for kernel in timed.kernels:
                 entry.times_ms[kernel] = [
-                    _time_ms(store, kernel, torch.randn(r, k).to(dtype)) for r in ROW_COUNTS]
-        own = [kn for kn in entry.times_ms if kn in _KERNELS_OF[kind]]
-        entry.choice = [min(own, key=lambda kn: entry.times_ms[kn][i]) for i in range(len(ROW_COUNTS))]
+                    _time_ms(timed, kernel, torch.randn(r, k).to(dtype)) for r in ROW_COUNTS]
+        entry.choice = [min(store.kernels, key=lambda kn: entry.times_ms[kn][i]) for i in range(len(ROW_COUNTS))]
         entries.append(entry)
     return DispatchTable(cpu_name(), torch.__version__, torch.get_num_threads(), str(dtype), entries,
                          time.perf_counter() - start)
 
 
-_KERNELS_OF = {"dense": DenseWeight.kernels, "int8": Int8Weight.kernels, "int4": Int4Weight.kernels}
-
-
 def load_or_measure(model: CausalLM, dtype: torch.dtype, all_stores: bool = False,
                     remeasure: bool = False) -> DispatchTable:
     """The cached table for this model's shapes on this machine, measured (and cached) if absent."""
-    shapes = shapes_of(model)
-    path = table_path(shapes, dtype, all_stores)
+    stores = stores_of(model)
+    path = table_path(list(stores), dtype, all_stores)
     if path.is_file() and not remeasure:
         try:
             return DispatchTable.from_json(path.read_text())
         except (ValueError, TypeError, KeyError) as exc:  # a damaged entry is measured again
             logger.warning("ignoring the unreadable dispatch table %s: %s", path, exc)
-    table = measure(shapes, dtype, all_stores)
+    table = measure(stores, dtype, all_stores)
     logger.info("measured the kernel dispatch table in %.1f s (%d shapes); cached at %s",
-                table.seconds, len(shapes), path)
+                table.seconds, len(stores), path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(f".{os.getpid()}.tmp")
     staging.write_text(table.to_json())
@@ -195,11 +194,16 @@ def apply(model: CausalLM, table: DispatchTable) -> None:
         matrix.kernels = table.for_shape(store.kind, *store.shape)
 
 
-def tune(model: CausalLM, dtype: torch.dtype) -> DispatchTable | None:
+def model_dtype(model: CausalLM) -> torch.dtype:
+    """The activation dtype: the model's parameters' (norms and dense matrices)."""
+    return next(model.parameters()).dtype
+
+
+def tune(model: CausalLM) -> DispatchTable | None:
     """At load: the table for this model on this CPU (None when STEMMA_AUTOTUNE=0 or off the CPU),
     applied to the model."""
     if os.environ.get(AUTOTUNE_ENV, "1") == "0" or next(model.parameters()).device.type != "cpu":
         return None
-    table = load_or_measure(model, dtype)
+    table = load_or_measure(model, model_dtype(model))
     apply(model, table)
     return table

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from stemma.engine_config import QUANTIZATIONS
 from stemma.loader import quantize
 from stemma.models.causal_lm import CausalLM
 from stemma.models.spec import ModelSpec, spec_from_config
@@ -78,8 +79,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     if path is None:
         from stemma.loader.gguf.loader import default_model_path
         path = default_model_path()
-    if quantization not in quantize.QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(quantize.QUANTIZATIONS)}, got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     device = torch.device(device)
     dt = resolve_dtype(dtype, device)
     quantized = quantization in ("int8", "int4") or (

@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stemma.engine_config import QUANTIZATIONS
 from stemma.models.weights import DenseWeight, Int4Weight, Int8Weight, check_int4_layout
 
 if TYPE_CHECKING:
     from stemma.models.causal_lm import CausalLM
-    from stemma.models.linear import Matrix
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 INT8_TYPES = ("Q8_0", "Q8_1", "Q8_K")
@@ -44,9 +42,7 @@ def class_of(qtype: str) -> str:
 
 
 def plan(model: CausalLM, quantization: str, qtypes: dict[str, str] | None) -> dict[str, str]:
-    """Module name -> store kind, for every matrix of `model`."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    """Module name -> store kind, for every matrix of `model` (`quantization` already checked)."""
     names = list(model.matrices())
     if quantization == "auto" and not qtypes:
         quantization = "none"
@@ -66,7 +62,7 @@ def plan(model: CausalLM, quantization: str, qtypes: dict[str, str] | None) -> d
     return {name: kinds.get(name, "dense") for name in names}
 
 
-def store_for(matrix: Matrix, kind: str, weight: torch.Tensor, dtype: torch.dtype, group_size: int,
+def store_for(kind: str, weight: torch.Tensor, dtype: torch.dtype, group_size: int,
               tied: bool) -> DenseWeight | Int8Weight | Int4Weight:
     """The store of `kind` for float32 `weight`; int4 falls back to int8 where the CPU kernel
     does not take the shape (or, for the tied embedding, where its row layout is not the known one)."""
@@ -84,8 +80,7 @@ def apply(model: CausalLM, kinds: dict[str, str], dtype: torch.dtype, group_size
     tied = model.lm_head is None
     for name, matrix in model.matrices().items():
         weight = matrix.weight.detach()
-        store = store_for(matrix, kinds[name], weight, dtype, group_size,
-                          tied and name == "model.embed_tokens")
+        store = store_for(kinds[name], weight, dtype, group_size, tied and name == "model.embed_tokens")
         if isinstance(store, DenseWeight):
             matrix.weight.data = store.weight
             matrix.store = None

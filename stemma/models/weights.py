@@ -44,6 +44,9 @@ class DenseWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
@@ -96,7 +99,7 @@ class Int4Weight:
         """Whether torch's CPU int4 path takes this shape: out a multiple of its 64-row packing
         blocks, in a multiple of the group size."""
         out, k = weight.shape
-        return out % _INT4_BLOCK_N == 0 and k % group_size == 0 and k % 2 == 0
+        return out % _INT4_BLOCK_N == 0 and k % group_size == 0
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> Int4Weight:

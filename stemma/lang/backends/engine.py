@@ -79,7 +79,7 @@ class EngineBackend(Backend):
             for waiter in list(self._waiting.values()):
                 self._publish(waiter)
             if not stepped:  # a batch window is open, or a guide is being built: wait off the
-                timeout = self.engine.scheduler.idle_timeout()  # loop; a submit wakes it
+                timeout = self.engine.idle_timeout()  # loop; a submit wakes it
                 await asyncio.to_thread(self.engine.wait_for_work, timeout)
 
     def _publish(self, waiter: _Waiter) -> None:
