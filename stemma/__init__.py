@@ -28,6 +28,7 @@ _LAZY = {
     "MockBackend": ("stemma.lang.backends.mock", "MockBackend"),
     "EngineBackend": ("stemma.lang.backends.engine", "EngineBackend"),
     "RemoteBackend": ("stemma.lang.backends.remote", "RemoteBackend"),
+    "OpenAIBackend": ("stemma.lang.backends.openai", "OpenAIBackend"),
 }
 
 

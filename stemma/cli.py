@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(gen, EngineConfig)
     _add_log_level(gen, "info")
     gen.set_defaults(func=cmd_generate)
-    srv = sub.add_parser("serve", help="serve the model to clients over ZeroMQ (stemma.connect)")
+    srv = sub.add_parser("serve", help="serve the model over HTTP (the OpenAI API) and ZeroMQ (stemma.connect)")
     add_dataclass_args(srv, ServeConfig)
     add_dataclass_args(srv, EngineConfig)
     _add_log_level(srv, "info")

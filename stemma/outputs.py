@@ -15,4 +15,6 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), when asked
     prompt_logprobs: list[float | None] | None = None         # from params.logprob_start on
     meta: dict[str, Any] = field(default_factory=dict)        # prompt_tokens, cached_tokens,
-                                                              # completion_tokens, ttft, latency
+                                                              # completion_tokens, ttft, latency,
+                                                              # queue_time, itl (one per output
+                                                              # token after the first), retractions

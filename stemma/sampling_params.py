@@ -65,6 +65,25 @@ def _normalize_token_ids(name: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _normalize_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} or (token id, bias) pairs as pairs sorted by id; biases in [-100, 100]."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    if not isinstance(items, (list, tuple)) and not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {value!r}")
+    out = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}")
+        token, bias = item
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        _check_real("logit_bias", bias, -100.0, 100.0)
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
 def _check_text(name: str, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not value):
         raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
@@ -101,6 +120,8 @@ class SamplingParams:
     presence_penalty: float = 0.0    # OpenAI semantics, over output tokens; in [-2, 2]
     stop: tuple[str, ...] | str | list[str] | None = ()  # normalized to a tuple of strings
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()  # added to the logits
+                                     # (OpenAI semantics); normalized to sorted (id, bias) pairs
     ignore_eos: bool = False
     seed: int | None = None          # same seed -> same tokens, whatever the batch
     n: int = 1
@@ -132,6 +153,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids",
                            _normalize_token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
         _check_bool("ignore_eos", self.ignore_eos)
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
@@ -170,6 +192,7 @@ class SamplingParams:
         out = asdict(self)
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return out
 
     @classmethod

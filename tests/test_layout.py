@@ -1,6 +1,5 @@
 """The package layout: the client and the frontend load without torch, `import stemma` changes no
 environment variable, and the import contracts in pyproject.toml ([tool.importlinter]) hold."""
-import os
 import shutil
 import subprocess
 import sys

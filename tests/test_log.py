@@ -12,7 +12,7 @@ import stemma
 from stemma import log
 from tests.tiny_models import build_tiny
 from tests.tiny_tokenizer import save_tiny_tokenizer
-from tests.test_serve import ENGINE, free_port
+from tests.served import ENGINE, free_ports
 
 
 @pytest.fixture
@@ -57,11 +57,13 @@ def test_configure_is_idempotent_and_formats_by_level(stemma_logger, capsys):
 
 def test_serve_at_debug_logs_each_request(tmp_path):
     folder = str(save_tiny_tokenizer(build_tiny("llama", tmp_path / "model")))
-    address = f"tcp://127.0.0.1:{free_port()}"
+    zmq_port, http_port = free_ports(2)
+    address = f"tcp://127.0.0.1:{zmq_port}"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     stderr = open(tmp_path / "stderr", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "stemma", "serve", "--model", folder, "--port",
-                             address.rsplit(":", 1)[1], "--log-level", "debug", *flags], stderr=stderr)
+    proc = subprocess.Popen([sys.executable, "-m", "stemma", "serve", "--model", folder, "--zmq-port",
+                             address.rsplit(":", 1)[1], "--port", str(http_port), "--log-level",
+                             "debug", *flags], stderr=stderr)
     try:
         with stemma.connect(address) as client:
             deadline = time.monotonic() + 120

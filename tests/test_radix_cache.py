@@ -276,3 +276,22 @@ def test_disabled_cache_matches_nothing_and_frees_finished_requests():
         sim.finish(a, alloc_last=False)
         assert sim.allocator.available == TOTAL_SLOTS and sim.cache.tree.total_size == 0
     assert sim.cache.match([1, 2, 3]).slots.numel() == 0
+
+
+def test_record_hit_counts_along_the_matched_path_and_nothing_when_disabled():
+    sim = Sim()
+    a = sim.start([1, 2, 3, 4])
+    sim.compute(a, 4)
+    sim.finish(a, alloc_last=False)
+    b = sim.start([1, 2, 3, 9])  # its cached prefix [1, 2, 3] splits a's node
+    sim.cache.record_hit(b.node)
+    tree = sim.cache.tree
+    top = tree.roots()[None].children[1]
+    assert (top.key, top.hits, top.children[4].hits) == ((1, 2, 3), 1, 0)
+    sim.compute(b, 1)  # cache_unfinished matches again: no hit
+    assert (top.hits, b.node.hits) == (1, 0)
+    sim.settle()
+    off = Sim(enabled=False)
+    c = off.start([1, 2, 3])
+    off.cache.record_hit(c.node)  # disabled: the node is a root
+    assert c.node.is_root and c.node.hits == 0

@@ -1,5 +1,5 @@
 """The radix tree against a naive reference: a dict from (salt, prefix) to the slot of the
-prefix's last token, with the op number that last touched it."""
+prefix's last token, with the op number that last touched it and the hits recorded through it."""
 import pytest
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
@@ -35,6 +35,7 @@ class TreeVsReference(RuleBasedStateMachine):
         self.tree = RadixTree()
         self.entries = {}     # (salt, prefix) -> slot
         self.stamp = {}       # (salt, prefix) -> op number of the last match/insert through it
+        self.hits = {}        # (salt, prefix) -> record_hit calls at it or below it
         self.locks = []       # (salt, prefix, node)
         self.op = 0
         self.next_slot = 1
@@ -74,11 +75,19 @@ class TreeVsReference(RuleBasedStateMachine):
         self.duplicates.update(values[:m])
         for j in range(m, len(key)):
             self.entries[(salt, tuple(key[:j + 1]))] = values[j]
+            self.hits[(salt, tuple(key[:j + 1]))] = 0
         self.touch(salt, key, len(key))
 
     @rule(salt=salts, key=keys)
     def match(self, salt, key):
         self.check_match(salt, key)
+
+    @rule(salt=salts, key=keys)
+    def hit(self, salt, key):
+        node, m = self.check_match(salt, key)
+        self.tree.record_hit(node)
+        for j in range(1, m + 1):
+            self.hits[(salt, tuple(key[:j]))] += 1
 
     @rule(salt=salts, key=keys)
     def lock(self, salt, key):
@@ -102,6 +111,7 @@ class TreeVsReference(RuleBasedStateMachine):
         assert not locked.intersection(gone), "evicted a locked node or its ancestor"
         for entry in gone:
             del self.entries[entry]
+            del self.hits[entry]
         self.evicted.update(freed)
         unlocked = set(self.entries) - locked
         assert len(freed) >= num_tokens or not unlocked, "stopped while unlocked tokens remained"
@@ -114,6 +124,18 @@ class TreeVsReference(RuleBasedStateMachine):
     def tree_equals_reference(self):
         assert tree_content(self.tree) == self.entries
         self.tree.check_invariants()
+
+    @invariant()
+    def hits_match_the_reference(self):
+        """A node's hits are those of every prefix ending inside its edge: no split or match
+        moves a hit, and an evicted-then-reinserted prefix starts again from none."""
+        for salt, root in self.tree.roots().items():
+            stack = [(child, ()) for child in root.children.values()]
+            while stack:
+                node, above = stack.pop()
+                for i in range(len(node.key)):
+                    assert self.hits[(salt, above + node.key[:i + 1])] == node.hits
+                stack.extend((c, above + node.key) for c in node.children.values())
 
     @invariant()
     def sizes_add_up(self):
@@ -218,3 +240,26 @@ def test_eviction_drops_an_emptied_salt_root_and_reset_forgets_all():
 def test_insert_rejects_a_length_mismatch():
     with pytest.raises(ValueError):
         RadixTree().insert([1, 2], slots([1]))
+
+
+def test_record_hit_walks_to_the_root_and_a_split_keeps_the_count_above():
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4], slots([10, 11, 12, 13]))
+    tree.insert([1, 2, 3, 4, 5], slots([10, 11, 12, 13, 14]))
+    leaf = tree.match_prefix([1, 2, 3, 4, 5]).node
+    top = leaf.parent
+    for _ in range(2):
+        tree.match_prefix([1, 2, 3, 4, 5])  # matching alone counts nothing
+    assert (top.hits, leaf.hits) == (0, 0)
+    tree.record_hit(leaf)
+    tree.record_hit(top)
+    assert (top.hits, leaf.hits) == (2, 1)
+    upper = tree.match_prefix([1, 2, 7]).node  # splits [1, 2, 3, 4] after [1, 2]
+    assert upper.children[3] is top and (upper.hits, top.hits, leaf.hits) == (2, 2, 1)
+    tree.record_hit(upper)
+    tree.record_hit(tree.roots()[None])  # a root counts nothing
+    assert (upper.hits, top.hits, leaf.hits) == (3, 2, 1)
+    tree.check_invariants()
+    leaf.hits = 3  # more than its parent
+    with pytest.raises(AssertionError, match="more hits than its parent"):
+        tree.check_invariants()

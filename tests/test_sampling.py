@@ -29,6 +29,8 @@ BAD_VALUES = [
     ("presence_penalty", 2.1), ("presence_penalty", -2.1),
     ("stop", 5), ("stop", [""]), ("stop", ["a", 1]),
     ("stop_token_ids", [-1]), ("stop_token_ids", 3), ("stop_token_ids", ["a"]),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {3: 101}),
+    ("logit_bias", 5), ("logit_bias", [(1,)]),
     ("ignore_eos", 1),
     ("seed", -1), ("seed", 2**63), ("seed", 1.0),
     ("n", 0), ("n", None),
@@ -223,6 +225,20 @@ def test_min_new_tokens_bans_eos_and_stop_ids_until_reached():
     assert pick(Req(params, [0], [1, 1])) == 3
     assert pick(Req(params.replace(ignore_eos=True), [0], [1])) == 3
     assert pick(Req(params.replace(min_new_tokens=0), [0], [])) == 3
+
+
+def test_logit_bias_is_added_to_the_raw_logits_of_its_row_only():
+    logits = torch.tensor([[3.0, 2.0, 0.0], [3.0, 2.0, 0.0]])
+    biased = SamplingParams(temperature=0, logit_bias={1: 1.5, 2: -100})
+    reqs = [Req(SamplingParams(temperature=0)), Req(biased)]
+    scores = apply_penalties(logits, SamplingBatch.build(reqs, 3))
+    assert torch.equal(scores[0], logits[0])
+    assert torch.allclose(scores[1], torch.tensor([3.0, 3.5, -100.0]))
+    assert run(logits, reqs).token_ids.tolist() == [0, 1]
+    assert biased.logit_bias == ((1, 1.5), (2, -100.0))
+    assert SamplingParams.from_dict(biased.to_dict()) == biased
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        SamplingBatch.build([Req(SamplingParams(logit_bias={7: 1}))], 3)
 
 
 def test_banned_ids_are_never_drawn():

@@ -6,8 +6,6 @@ in-process Engine on the same checkpoint.
 import asyncio
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -18,12 +16,12 @@ import zmq
 import stemma
 from stemma import protocol as P
 from stemma.sampling_params import SamplingParams
+from tests.served import ENGINE, HttpServed, alive, children, cmdline
 from tests.tiny_models import build_tiny
 from tests.tiny_tokenizer import save_tiny_tokenizer, words
 
 KEY = "s3cret"
 FRAME_LIMIT = 64 * 1024
-ENGINE = dict(dtype="float32", attention_backend="torch", kv_pool_tokens=8192, max_running_requests=64)
 GREEDY = dict(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 LONG = dict(temperature=0.0, max_new_tokens=2000, ignore_eos=True)  # would run for seconds
 DOOMED_CLIENT = f"""
@@ -45,53 +43,13 @@ def folder(tmp_path_factory):
     return str(save_tiny_tokenizer(path))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    return out
-
-
-def cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-class Served:
-    """A `stemma serve` subprocess on the tiny model."""
+class Served(HttpServed):
+    """HttpServed with a ZeroMQ client (`client`); its two children are known (`child`)."""
 
     def __init__(self, folder, *extra):
-        self.port = free_port()
-        self.address = f"tcp://127.0.0.1:{self.port}"
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-        self.proc = subprocess.Popen([sys.executable, "-m", "stemma", "serve", "--model", folder,
-                                      "--port", str(self.port), *flags, *extra])
+        super().__init__(folder, *extra)
         self.client = stemma.connect(self.address, api_key=KEY if "--api-key" in extra else None)
-        deadline = time.monotonic() + 120
-        while not self.client.health(timeout=0.5):
-            assert self.proc.poll() is None, "serve exited during startup"
-            assert time.monotonic() < deadline, "serve did not become healthy"
-        self.children = children(self.proc.pid)
+        assert self.client.health(timeout=30)
         assert len(self.children) == 2
 
     def child(self, module: str) -> int:
@@ -100,16 +58,7 @@ class Served:
 
     def stop(self) -> int:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(20)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            for pid in self.children:
-                if alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+        return super().stop()
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,11 @@ class RadixCache:
             return self.tree.match_prefix((), salt)
         return self.tree.match_prefix(token_ids, salt)
 
+    def record_hit(self, node: Node) -> None:
+        """Counts one request reusing the cached prefix that ends at `node` (see
+        `RadixTree.record_hit`); the engine calls it once per request, at its first admission."""
+        self.tree.record_hit(node)
+
     def lock(self, node: Node) -> None:
         self.tree.inc_lock(node)
 

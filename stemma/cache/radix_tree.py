@@ -14,7 +14,11 @@ Invariants (see `check_invariants`):
   node is locked iff some lock's path passes through it;
 - `evictable_size` counts the tokens of unlocked nodes and `protected_size` those of locked ones;
 - eviction removes unlocked leaves only, least recently used first, so a locked node and its
-  ancestors stay in the tree.
+  ancestors stay in the tree;
+- `hits` counts the `record_hit` calls at a node or below it: the caller records one per request
+  whose cached prefix (at its first admission) passed through the node, i.e. the requests that
+  reused its KV. `match_prefix` counts nothing, as it also serves the cache's own bookkeeping.
+  A hit is walked to the root, so a node never has more hits than its parent.
 
 `version` changes whenever an insert adds tokens or an eviction removes some, so a match made at
 one version is still exact while the version stands (a split changes no match: it keeps depths).
@@ -60,7 +64,8 @@ class Node:
     never changes, because a split puts the new node above the one it splits.
     """
 
-    __slots__ = ("key", "value", "parent", "children", "salt", "depth", "lock_ref", "last_access")
+    __slots__ = ("key", "value", "parent", "children", "salt", "depth", "lock_ref", "last_access",
+                 "hits")
 
     def __init__(self, key: Key, value: torch.Tensor, parent: Node | None, salt: str | None):
         self.key = key
@@ -71,6 +76,7 @@ class Node:
         self.depth = len(key) + (parent.depth if parent is not None else 0)
         self.lock_ref = 0
         self.last_access = 0
+        self.hits = 0
 
     @property
     def is_root(self) -> bool:
@@ -124,8 +130,9 @@ class RadixTree:
         """The longest cached prefix of `key` under `salt`.
 
         If the match ends inside an edge, that edge is split so the returned node ends exactly at
-        the match. Every node on the path becomes the most recently used. The node is valid until
-        it is evicted, so a caller that keeps it locks it before anything can evict.
+        the match. Every node on the path becomes the most recently used (no hit is counted: see
+        `record_hit`). The node is valid until it is evicted, so a caller that keeps it locks it
+        before anything can evict.
         """
         root = self._roots.get(salt)
         if root is None:
@@ -157,6 +164,13 @@ class RadixTree:
             self._evictable += len(leaf.key)
             self.version = next(_VERSIONS)
         return present
+
+    def record_hit(self, node: Node) -> None:
+        """Counts one hit on `node` and each of its ancestors below the root: one request reused
+        the prefix that ends at `node`. A root counts nothing."""
+        while not node.is_root:
+            node.hits += 1
+            node = node.parent
 
     def inc_lock(self, node: Node) -> None:
         """Protects `node` and its ancestors from eviction. Locking a root does nothing."""
@@ -243,6 +257,7 @@ class RadixTree:
             _require(node.depth == parent.depth + len(node.key), f"wrong depth at {node!r}")
             _require(node.lock_ref >= 0, f"negative lock_ref at {node!r}")
             _require(parent.is_root or parent.lock_ref >= node.lock_ref, f"lock not walked up from {node!r}")
+            _require(parent.is_root or parent.hits >= node.hits, f"more hits than its parent at {node!r}")
             if node.lock_ref:
                 protected += len(node.key)
             else:
@@ -262,7 +277,7 @@ class RadixTree:
             while stack:
                 node, indent = stack.pop()
                 lines.append(f"{'  ' * indent}{list(node.key)} -> {node.value.tolist()} "
-                             f"lock={node.lock_ref} t={node.last_access}")
+                             f"lock={node.lock_ref} hits={node.hits} t={node.last_access}")
                 stack.extend((c, indent + 1) for c in reversed(list(node.children.values())))
         return "\n".join(lines)
 
@@ -286,13 +301,14 @@ class RadixTree:
         """Splits `node`'s edge after `at` tokens; returns the new upper node.
 
         `node` keeps its identity (and depth) as the lower part, so callers holding it still hold
-        the same prefix. The upper part inherits the lock count: every lock through `node` passes
-        through it.
+        the same prefix. The upper part inherits the lock count and the hit count: every lock and
+        every recorded hit through `node` passes through it.
         """
         parent = node.parent
         upper = Node(node.key[:at], node.value[:at], parent, node.salt)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.hits = node.hits
         parent.children[upper.key[0]] = upper
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
         upper.children[node.key[0]] = node

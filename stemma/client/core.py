@@ -105,6 +105,8 @@ def generate_request(prompt: Prompt, params: Params, stream: bool, rid: str | No
         params = SamplingParams()
     elif isinstance(params, dict):
         params = SamplingParams.from_dict(params)
+    if stream and params.n != 1:
+        raise ValueError(f"n must be 1 when streaming, got {params.n}")
     rid = rid or new_rid()
     if isinstance(prompt, str):
         return P.GenerateReq(rid=rid, prompt=prompt, params=params, stream=stream, salt=salt)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -26,6 +26,9 @@ from stemma import protocol as P
 from stemma.client.core import (ClientBase, ClientCore, Op, Params, Prompt, RequestTimeout, Run,
                                 StreamBase, drain, open_socket)
 from stemma.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from stemma.client.http import HttpClient
 
 
 class Stream(StreamBase):
@@ -156,7 +159,11 @@ class Client(ClientBase):
         self.close()
 
 
-def connect(address: str, api_key: str | None = None, timeout: float | None = None) -> Client:
-    """A client of the stemma server at `address` (tcp://host:port or ipc://path). Connecting is
-    lazy: nothing is sent until the first call."""
+def connect(address: str, api_key: str | None = None, timeout: float | None = None) -> Client | HttpClient:
+    """A client of the stemma server at `address`: tcp://host:port or ipc://path (its ZeroMQ
+    port, a Client), or http://host:port / https://... (its HTTP port, a client.http.HttpClient,
+    with the same calls). Connecting is lazy: nothing is sent until the first call."""
+    if address.startswith(("http://", "https://")):
+        from stemma.client.http import HttpClient  # imports httpx only when used
+        return HttpClient(address, api_key, timeout)
     return Client(address, api_key, timeout)

@@ -7,6 +7,8 @@ admitted in policy order until the budget, the KV room or the running-request li
 """
 from __future__ import annotations
 
+import time
+
 from typing import TYPE_CHECKING
 
 from stemma.engine.request import ReqState
@@ -86,7 +88,10 @@ class Admission:
             req.cached_tokens = len(slots)
             self.counters.prompt_tokens += len(req.input_ids)
             self.counters.cached_tokens += len(slots)
+            if len(slots):  # it reuses the cached prefix ending at node: a hit along its path
+                self.cache.record_hit(node)
             req.admitted_once = True
+            req.admit_time = time.perf_counter()
         req.state = ReqState.RUNNING
         self.running.append(req)
         return n

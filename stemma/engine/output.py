@@ -17,6 +17,8 @@ def request_meta(req: Request) -> dict[str, Any]:
         "completion_tokens": len(req.output_ids),
         "ttft": (req.first_token_time - req.arrival) if req.first_token_time else None,
         "latency": end - req.arrival,
+        "queue_time": (req.admit_time - req.arrival) if req.admit_time else None,
+        "itl": list(req.itl),
         "retractions": req.retractions,
     }
     if req.error is not None:  # finish_reason "error": why (a constraint that failed to build)

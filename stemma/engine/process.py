@@ -24,6 +24,7 @@ import zmq
 from stemma import protocol as P
 from stemma.log import configure as configure_logging
 from stemma.serve.proc_watch import ParentWatch
+from stemma.engine.cache_tree import cache_tree
 from stemma.engine.request import Request
 from stemma.engine.output import request_output
 from stemma.text.publisher import Publisher
@@ -76,7 +77,10 @@ class EngineLoop:
         elif isinstance(msg, P.FlushCache):
             self.send(P.FlushDone(rid=msg.rid, ok=self.engine.flush_cache()))
         elif isinstance(msg, P.GetInfo):
-            self.send(self.info(msg.rid))
+            self.send(self.info(msg.rid, msg.check_pool))
+        elif isinstance(msg, P.GetCacheTree):
+            nodes, requests = cache_tree(self.engine, msg.limit)
+            self.send(P.CacheTree(rid=msg.rid, nodes=nodes, requests=requests))
         elif isinstance(msg, P.Health):
             self.send(P.HealthOk(rid=msg.rid))
         else:
@@ -96,12 +100,13 @@ class EngineLoop:
         for i, req in enumerate(reqs):
             self.live[req.rid] = Live(req, msg.rid, i, msg.stream)
 
-    def info(self, rid: str) -> P.Info:
+    def info(self, rid: str, check_pool: bool = True) -> P.Info:
         engine = self.engine
         stats = engine.stats()
         try:
-            engine.check_pool_whole()
-            stats["pool_whole"] = True
+            if check_pool:
+                engine.check_pool_whole()
+                stats["pool_whole"] = True
         except AssertionError as exc:
             stats["pool_whole"], stats["pool_error"] = False, str(exc)
         return P.Info(rid=rid, model=str(engine.loaded.source), context_length=engine.runner.max_context,

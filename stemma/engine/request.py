@@ -52,7 +52,11 @@ class Request:
     stop_tracker: TextStream | None = None  # made on first use when params.stop is set (engine.stop)
     constraint: Guide | None = None  # the guide of a regex/json_schema/grammar request, once built
     arrival: float = field(default_factory=time.perf_counter)
+    admit_time: float | None = None        # first admission: arrival to here is its queue time
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    itl: list[float] = field(default_factory=list)  # inter-token latency of each output token
+                                                    # after the first: len == len(output_ids) - 1
     finish_time: float | None = None
     admitted_once: bool = False
 

@@ -258,6 +258,18 @@ class Scheduler:
         if req.kv_len + n >= len(req.input_ids):
             req.prompt_logprobs_done = True
 
+    @staticmethod
+    def _book_times(req: Request, k: int, first: bool, now: float) -> None:
+        """Inter-token latencies of the k tokens just appended: the time since the last token,
+        shared among them; the very first token has none (it is the time to first token)."""
+        if k == 0:
+            return
+        if first:
+            req.itl.extend([0.0] * (k - 1))
+        else:
+            req.itl.extend([(now - req.last_token_time) / k] * k)
+        req.last_token_time = now
+
     def _book_samples(self, reqs: list[Request], out: StepOutput) -> None:
         now = time.perf_counter()
         newly_prompt_done = []
@@ -268,6 +280,7 @@ class Scheduler:
             news, reason = ([sampled], None) if req.constraint is None else self.constrainer.advance(req, sampled)
             if req.first_token_time is None:
                 req.first_token_time = now
+            appended = len(req.output_ids)
             for j, tok in enumerate(news):
                 req.append(tok)
                 self.counters.generated_tokens += 1
@@ -281,6 +294,7 @@ class Scheduler:
                 if stop is not None:  # the constraint's own end wins on its last token
                     reason = reason if reason is not None and j == len(news) - 1 else stop
                     break
+            self._book_times(req, len(req.output_ids) - appended, first, now)
             if reason is not None:
                 self._finish(req, reason)
             elif first:
@@ -321,4 +335,5 @@ class Scheduler:
         return self.cache.flush()
 
     def stats(self) -> dict[str, int]:
-        return {"queue": len(self.waiting), "running": len(self.running)}
+        return {"queue": len(self.waiting), "running": len(self.running),
+                "grammar_queue": len(self.grammar_queue)}

@@ -1,7 +1,7 @@
 """The wire protocol's messages: small versioned dataclasses (the codec is `codec.py`).
 
-    client ── GenerateReq / Abort / FlushCache / GetInfo / Health ──▶ gateway ──▶ engine
-    client ◀─ TokenChunk / Finished / ErrorMsg / FlushDone / Info / HealthOk ── gateway ◀── engine
+    client ── GenerateReq / Abort / FlushCache / GetInfo / GetCacheTree / Health ──▶ gateway ──▶ engine
+    client ◀─ TokenChunk / Finished / ErrorMsg / FlushDone / Info / CacheTree / HealthOk ── gateway ◀── engine
     gateway ◀── EngineReady, Batch(TokenChunk | Finished | ErrorMsg) ── engine
 
 Between the client and the gateway a message travels as two frames, [api key, body];
@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
-__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'HealthOk', 'EngineReady', 'Batch', 'CLIENT_REQUESTS']
+__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Batch', 'CLIENT_REQUESTS']
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
@@ -73,8 +73,9 @@ class GenerateReq(Message):
     prompt: str | None = None
     input_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
-    stream: bool = False
+    stream: bool = False           # chunks of all n sequences, each with its index
     salt: str | None = None
+    program: str | None = None     # the frontend program that sent it (shown on the dashboard)
 
     def __post_init__(self):
         super().__post_init__()
@@ -82,10 +83,10 @@ class GenerateReq(Message):
             raise ValueError("a generate request needs exactly one of prompt and input_ids")
         if self.input_ids is not None and not self.input_ids:
             raise ValueError("input_ids must hold at least one token")
-        if self.stream and self.params.n != 1:
-            raise ValueError(f"n must be 1 when streaming, got {self.params.n}")
-        if self.salt is not None and len(self.salt) > MAX_ID_CHARS:
-            raise ValueError(f"salt must hold at most {MAX_ID_CHARS} characters")
+        for name in ("salt", "program"):
+            value = getattr(self, name)
+            if value is not None and len(value) > MAX_ID_CHARS:
+                raise ValueError(f"{name} must hold at most {MAX_ID_CHARS} characters")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +104,23 @@ class FlushCache(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class GetInfo(Message):
+    """`check_pool` False skips the KV pool audit (stemma's periodic stats poll: cheap)."""
     TAG: ClassVar[str] = "get_info"
     rid: str
+    check_pool: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetCacheTree(Message):
+    """The radix tree's `limit` biggest subtrees and the requests in the scheduler (a CacheTree)."""
+    TAG: ClassVar[str] = "get_cache_tree"
+    rid: str
+    limit: int = 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.limit <= 1000:
+            raise ValueError(f"limit must be in [1, 1000], got {self.limit}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +201,20 @@ class Info(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CacheTree(Message):
+    """`nodes`: dicts {id, parent (an id, or None for a child of a root), tokens (the node's own
+    edge, token ids), depth (tokens from the root to the node's end), size (tokens in its
+    subtree), hits (requests whose cached prefix at their first admission passed through the
+    node), locks (locks held at the node or below it)}, parents before children. `requests`: dicts {rid (the engine-side id),
+    state ("running", "waiting" or "grammar": its constraint is being built), prompt_tokens,
+    output_tokens, cached_tokens}; the gateway adds client_rid and program on the way back."""
+    TAG: ClassVar[str] = "cache_tree"
+    rid: str
+    nodes: list[dict[str, Any]]
+    requests: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class HealthOk(Message):
     TAG: ClassVar[str] = "health_ok"
     rid: str
@@ -207,4 +237,4 @@ class Batch(Message):
     items: list[TokenChunk | Finished | ErrorMsg]
 
 
-CLIENT_REQUESTS = (GenerateReq, Abort, FlushCache, GetInfo, Health)
+CLIENT_REQUESTS = (GenerateReq, Abort, FlushCache, GetInfo, GetCacheTree, Health)

@@ -62,6 +62,8 @@ class SamplingBatch:
     penalties: Penalties | None
     seeded: SeededRows | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids), both [N] int64
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # logit_bias: (rows, token ids,
+                                                                  # values), each [M]
     # host-side facts, so the sampler picks its path without device syncs
     batch_size: int
     all_greedy: bool
@@ -106,6 +108,7 @@ class SamplingBatch:
             penalties=_build_penalties(requests, vocab_size, device),
             seeded=_build_seeded(requests, greedy, device),
             banned=_build_bans(requests, vocab_size, device, eos_token_ids, banned_ids),
+            bias=_build_bias(requests, vocab_size, device),
             batch_size=len(requests),
             all_greedy=all(greedy),
             any_min_p=any(p.min_p > 0 and not g for p, g in zip(params, greedy)),
@@ -168,6 +171,21 @@ def _build_seeded(requests: Sequence[SamplingRequest], greedy: list[bool],
                            [len(requests[i].output_ids) for i in rows]],
                           dtype=torch.int64).to(device)
     return SeededRows(rows=values[0], seeds=values[1], steps=values[2])
+
+
+def _build_bias(requests: Sequence[SamplingRequest], vocab_size: int, device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows, ids, values = [], [], []
+    for i, req in enumerate(requests):
+        for token, bias in req.params.logit_bias:
+            rows.append(i)
+            ids.append(token)
+            values.append(bias)
+    if not ids:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64).to(device),
+            _token_tensor(ids, vocab_size, "logit_bias token ids").to(device),
+            torch.tensor(values, dtype=torch.float32).to(device))
 
 
 def _build_bans(requests: Sequence[SamplingRequest], vocab_size: int, device,

@@ -2,13 +2,14 @@
 
 The order per step, each stage a batched tensor op over the rows that need it:
 
-    raw logits ─▶ penalties ─▶ bans (-inf) ─┬─▶ greedy rows: argmax
-                                            └─▶ / temperature ─▶ top_k ─▶ top_p ─▶ min_p
+    raw logits ─▶ penalties ─▶ logit_bias ─▶ bans (-inf) ─┬─▶ greedy rows: argmax
+                                                          └─▶ / temperature ─▶ top_k ─▶ top_p ─▶ min_p
                                                 ─▶ + Gumbel noise ─▶ argmax
 
 - Penalties: repetition (HF: over prompt + output tokens, a positive logit is divided by the
   penalty, a negative one multiplied), then frequency and presence (OpenAI: over output tokens,
   `logit -= count * frequency + (count > 0) * presence`).
+- logit_bias (OpenAI): each request's biases are added to its raw logits, after the penalties.
 - Filters (temperature first, as in HF and vLLM): top_k keeps the k most likely tokens; top_p
   keeps the smallest most-likely prefix whose mass, renormalized after top_k, reaches top_p;
   min_p drops tokens less likely than min_p times the most likely one. One sort serves top_k and
@@ -72,7 +73,7 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Logits [B, V] penalized, with banned tokens at -inf: a copy when anything changes,
     else the input itself."""
-    if batch.penalties is None and batch.banned is None:
+    if batch.penalties is None and batch.banned is None and batch.bias is None:
         return logits
     scores = logits.clone()
     pen = batch.penalties
@@ -84,6 +85,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = rows - pen.counts * pen.frequency[:, None]
         rows = rows - (pen.counts > 0).float() * pen.presence[:, None]
         scores[pen.rows] = rows
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        scores.index_put_((rows, ids), values.to(scores.dtype), accumulate=True)
     if batch.banned is not None:
         scores[batch.banned] = float("-inf")
     return scores
@@ -122,7 +126,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape != (batch.batch_size, batch.vocab_size):
             raise ValueError(f"logits must have shape ({batch.batch_size}, {batch.vocab_size}), "
                              f"got {tuple(logits.shape)}")
-        plain_greedy = batch.all_greedy and batch.penalties is None and batch.banned is None
+        plain_greedy = (batch.all_greedy and batch.penalties is None and batch.banned is None
+                        and batch.bias is None)
         if not plain_greedy:  # greedy argmax needs no cast: it is exact in any dtype and layout
             logits = row_major_float(logits)
         scores = apply_penalties(logits, batch)

@@ -2,12 +2,17 @@
 
     clients ── DEALER [api key, body] ──▶ ROUTER ─┐
                                                   ├─ Gateway ── PUSH ──▶ engine process
-    clients ◀─ TokenChunk / Finished / ... ─ ROUTER ┘        ◀── PULL ──
+    clients ◀─ TokenChunk / Finished / ... ─ ROUTER ┘    │   ◀── PULL ──
+    HTTP clients ◀──▶ uvicorn thread ◀── Bridge ───────┘   (stemma.serve.http; when http_port is set)
 
 It checks the API key of every frame (a wrong key gets an `unauthorized` reply and nothing else),
 enforces the frame size limit, decodes and validates, tokenizes text prompts, gives each request
 an engine-side id, forwards it, and detokenizes the engine's token ids incrementally (UTF-8
 holdback, stop-string trimming) on their way back to the right client.
+
+HTTP requests reach the same routing table through the in-process Bridge, as message objects
+under int peer ids (ZeroMQ peers are bytes). With HTTP on, the gateway also keeps the Prometheus
+metrics (of every request, both fronts) and polls the engine's stats once a second.
 
 A client whose connection closes has its requests aborted (see peer_watch). If the engine process
 exits, every waiting client gets an `engine_dead` error and the gateway exits with status 3.
@@ -22,12 +27,14 @@ import json
 import logging
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
 
 from stemma import protocol as P
+from stemma.serve.http.bridge import CLOSE, Bridge
 from stemma.log import check_level, configure as configure_logging
 from stemma.text.detokenizer import TextStream
 from stemma.text.tokenizer import load_tokenizer, preload_tokenizers
@@ -40,6 +47,9 @@ MAX_BURST = 256           # frames read from one socket before looking at the ot
 INTERNAL_HWM = 100_000    # frames queued towards the engine before clients are told to back off
 CLOSE_LINGER_MS = 1000    # time given to final replies (errors) to reach clients on exit
 EXIT_ENGINE_DEAD = 3
+EXIT_HTTP_FAILED = 4
+STATS_PERIOD_S = 1.0
+STATS_PEER = 0            # the gateway's own bridge peer: its stats polls (HTTP peers are >= 1)
 
 logger = logging.getLogger("stemma.serve.gateway")  # not __name__: that is __main__ under -m
 
@@ -53,6 +63,9 @@ class GatewaySpec:
     api_key: str | None = None
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     log_level: str = "warning"     # one of stemma.log.LEVELS
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None   # None: no HTTP front (stemma.Runtime)
+    served_model_name: str | None = None
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024:
@@ -60,6 +73,8 @@ class GatewaySpec:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
         check_level(self.log_level)
+        if self.http_port is not None and not 1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [1, 65535], got {self.http_port}")
 
 
 def _bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
@@ -83,6 +98,13 @@ class Gateway:
         self.tokenizer: Any = None
         self.router: zmq.Socket | None = None
         self.peers: PeerWatch | None = None
+        self.bridge: Bridge | None = None
+        self.http = None            # the HttpState, when there is an HTTP front
+        self.next_stats = 0.0
+
+    def attach_http(self, bridge: Bridge, state) -> None:
+        self.bridge, self.http = bridge, state
+        bridge.local_sinks[STATS_PEER] = self.on_stats
 
     # ---- startup ----
     def wait_engine(self, stopping: Callable[[], bool]) -> P.EngineReady | None:
@@ -110,13 +132,19 @@ class Gateway:
             poller.register(sock, zmq.POLLIN)
         if self.engine.fd is not None:
             poller.register(self.engine.fd, zmq.POLLIN)
+        if self.bridge is not None:
+            poller.register(self.bridge.fd, zmq.POLLIN)
         while True:
             if self.engine.exited():
                 self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
                 self.fail_all(P.ENGINE_DEAD, "the engine process died; the server is going down")
+                if self.bridge is not None:
+                    self.bridge.flush()
                 return EXIT_ENGINE_DEAD
             if stopping() or orphaned():
                 self.fail_all(P.SHUTTING_DOWN, "the server is shutting down")
+                if self.bridge is not None:
+                    self.bridge.flush()
                 return 0
             events = dict(poller.poll(POLL_MS))
             for peer in self.peers.gone():  # before reading the ROUTER: see peer_watch
@@ -125,6 +153,12 @@ class Gateway:
                 self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
             if self.router in events:
                 self._drain(self.router, self.on_client_guarded)
+            if self.bridge is not None:
+                if self.bridge.fd in events:
+                    for op in self.bridge.take():
+                        self.on_local_guarded(op)
+                self.poll_stats()
+                self.bridge.flush()
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         for _ in range(MAX_BURST):
@@ -144,14 +178,19 @@ class Gateway:
             self.router.close()  # lingers, so the last errors reach their clients
 
     # ---- replies ----
-    def reply(self, peer: bytes, msg: P.Message) -> None:
-        self.router.send_multipart([peer, P.encode(msg)])
+    def reply(self, peer: bytes | int, msg: P.Message) -> None:
+        if isinstance(peer, int):
+            self.bridge.deliver(peer, msg)
+        else:
+            self.router.send_multipart([peer, P.encode(msg)])
 
     def error(self, peer: bytes, rid: str, code: str, message: str) -> None:
         logger.debug("request %r: replying %s: %s", rid, code, message)
         self.reply(peer, P.ErrorMsg(rid=rid, code=code, message=message))
 
     def fail_all(self, code: str, message: str) -> None:
+        if self.http is not None:
+            self.http.going_down(code, message)
         for pending in self.routes.pop_all():
             self.error(pending.peer, pending.rid, code, message)
 
@@ -163,6 +202,33 @@ class Gateway:
         except Exception as exc:
             logger.exception("internal error while handling a client message")
             self.error(frames[0].bytes, "", P.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def on_local_guarded(self, op: tuple[str, int, P.Message | None]) -> None:
+        """A message (or a close) from an HTTP request, through the bridge: as on_client."""
+        kind, peer, msg = op
+        try:
+            if kind == CLOSE:
+                self.drop_peer(peer)
+            else:
+                self.on_message(peer, msg)
+        except Exception as exc:
+            logger.exception("internal error while handling an HTTP request's message")
+            self.error(peer, getattr(msg, "rid", ""), P.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def poll_stats(self) -> None:
+        """Once a second, the engine's stats for the gauges and the dashboard (no pool audit)."""
+        now = time.monotonic()
+        if now < self.next_stats:
+            return
+        self.next_stats = now + STATS_PERIOD_S
+        rid = f"stats-{now}"
+        self.forward(STATS_PEER, P.GetInfo(rid=rid, check_pool=False),
+                     Pending(STATS_PEER, rid, P.GetInfo.TAG))
+
+    def on_stats(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Info):
+            self.http.metrics.on_stats(msg.stats)
+            self.http.history.append((time.time(), msg.stats))
 
     def on_client(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
@@ -180,6 +246,9 @@ class Gateway:
             code = P.TOO_LARGE if len(body) > self.spec.max_frame_bytes else P.BAD_REQUEST
             self.error(peer, exc.rid, code, str(exc))
             return
+        self.on_message(peer, msg)
+
+    def on_message(self, peer: bytes | int, msg: P.Message) -> None:
         if isinstance(msg, P.GenerateReq):
             self.on_generate(peer, msg)
         elif isinstance(msg, P.Abort):
@@ -197,7 +266,8 @@ class Gateway:
             return
         logger.debug("request %r received: %d prompt tokens, n=%d, stream=%s",
                      msg.rid, len(ids), msg.params.n, msg.stream)
-        pending = Pending(peer, msg.rid, msg.TAG, msg.stream, msg.params.n, ids, msg.params)
+        pending = Pending(peer, msg.rid, msg.TAG, msg.stream, msg.params.n, ids, msg.params,
+                          program=msg.program)
         self.forward(peer, dataclasses.replace(msg, prompt=None, input_ids=ids), pending)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -228,11 +298,12 @@ class Gateway:
             self.error(peer, rid, P.OVERLOADED, "the engine's queue is full; try again later")
             return False
 
-    def drop_peer(self, peer: bytes) -> None:
+    def drop_peer(self, peer: bytes | int) -> None:
         """A client went away: abort its generate requests, forget the rest."""
         dropped = self.routes.pop_peer(peer)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("client %s gone: dropping %d requests %s", peer.hex(), len(dropped),
+            logger.debug("client %s gone: dropping %d requests %s",
+                         peer.hex() if isinstance(peer, bytes) else f"http-{peer}", len(dropped),
                          [pending.rid for _, pending in dropped])
         for gid, pending in dropped:
             if pending.kind == P.GenerateReq.TAG:
@@ -243,13 +314,19 @@ class Gateway:
         msg = P.decode(frame.bytes, max_bytes=1 << 62)  # trusted, and may be large
         for item in msg.items if isinstance(msg, P.Batch) else [msg]:
             pending = self.routes.get(item.rid)
-            if pending is None:  # its client is gone
+            if pending is None:  # its client is gone (the engine still says how it ended)
+                if isinstance(item, P.Finished) and self.http is not None:
+                    self.http.metrics.on_finished(item.finish_reason, item.meta)
                 continue
             if isinstance(item, P.TokenChunk):
                 text = self.text(pending, item.index).push(item.token_ids) if self.tokenizer else ""
                 self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid, text=text))
             elif isinstance(item, P.Finished):
                 self.on_finished(item, pending)
+            elif isinstance(item, P.CacheTree):
+                self.routes.pop(item.rid)
+                self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid,
+                                                             requests=self.described(item.requests)))
             else:  # an error, or the answer to a control request: the request's last word
                 if isinstance(item, P.ErrorMsg):
                     logger.debug("request %r: the engine replied %s: %s", pending.rid, item.code,
@@ -257,7 +334,18 @@ class Gateway:
                 self.routes.pop(item.rid)
                 self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid))
 
+    def described(self, requests: list[dict]) -> list[dict]:
+        """The engine's request list with each one's client rid and program added."""
+        out = []
+        for entry in requests:
+            pending = self.routes.get(str(entry.get("rid", "")).split("-", 1)[0])
+            out.append({**entry, "client_rid": pending.rid if pending else None,
+                        "program": pending.program if pending else None})
+        return out
+
     def on_finished(self, item: P.Finished, pending: Pending) -> None:
+        if self.http is not None:
+            self.http.metrics.on_finished(item.finish_reason, item.meta)
         text = ""
         if self.tokenizer is not None:
             stream = self.text(pending, item.index)
@@ -288,10 +376,17 @@ def main(spec_json: str | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # `serve` turns Ctrl-C into SIGTERM for us
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     parent = ParentWatch()
-    preload_tokenizers()  # slow to import: do it while the engine loads
     ctx = zmq.Context()
     gateway = Gateway(spec, ctx)
+    http = None
     try:
+        if spec.http_port is not None:  # up while the model loads: /health says 503 meanwhile
+            try:
+                http = start_http(gateway, spec)
+            except RuntimeError as exc:
+                logger.error("%s", exc)
+                return EXIT_HTTP_FAILED
+        preload_tokenizers()  # slow to import: do it while the engine loads
         ready = gateway.wait_engine(lambda: stop["now"] or parent.orphaned())
         if ready is None:
             if gateway.engine.exited():
@@ -299,10 +394,31 @@ def main(spec_json: str | None = None) -> int:
                 return EXIT_ENGINE_DEAD
             return 0
         gateway.open(ready)
-        return gateway.run(lambda: stop["now"], parent.orphaned)
+        if gateway.http is not None:
+            gateway.http.ready(ready, gateway.tokenizer)
+        return gateway.run(lambda: stop["now"] or (http is not None and not http.alive()),
+                           parent.orphaned)
     finally:
+        if http is not None:
+            http.stop()
         gateway.close()
         ctx.term()
+
+
+def start_http(gateway: Gateway, spec: GatewaySpec):
+    """The HTTP front on its thread, attached to `gateway` (imported here: ZeroMQ-only gateways,
+    as stemma.Runtime starts them, never load FastAPI)."""
+    from stemma.serve.http.server import HttpServer
+    from stemma.serve.http.state import HttpState
+    from stemma.serve.metrics import Metrics
+    bridge = Bridge()
+    state = HttpState(bridge, spec.api_key, Metrics(), spec.served_model_name,
+                      spec.max_frame_bytes)
+    gateway.attach_http(bridge, state)
+    server = HttpServer(state, spec.http_host, spec.http_port)
+    server.start()
+    logger.debug("HTTP on %s:%d", spec.http_host, spec.http_port)
+    return server
 
 
 if __name__ == "__main__":

@@ -38,22 +38,35 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"          # other hosts expose the server: set an API key then
-    port: int = 30000
+    port: int = 30000                # HTTP: the OpenAI-compatible API, /metrics, /dashboard
+    zmq_port: int = 30001            # ZeroMQ: stemma's own protocol (stemma.connect("tcp://..."))
     api_key: str | None = None       # a shared token checked on every message (or $STEMMA_API_KEY)
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # also the HTTP body limit
+    served_model_name: str | None = None  # the model id of the OpenAI API (default: its file name)
 
     def __post_init__(self):
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        for name in ("port", "zmq_port"):
+            if not 1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [1, 65535], got {getattr(self, name)}")
+        if self.port == self.zmq_port:
+            raise ValueError(f"port and zmq_port must differ, both are {self.port}")
         if not self.host:
             raise ValueError("host must not be empty")
         if self.max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
 
     @property
     def address(self) -> str:
+        """The ZeroMQ address."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return f"tcp://{host}:{self.zmq_port}"
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
 
 def _spawn(module: str, spec: dict[str, Any]) -> subprocess.Popen:
@@ -68,7 +81,8 @@ class ServerProcesses:
     `log_level` (one of stemma.log.LEVELS) is what both children log at, on their stderr."""
 
     def __init__(self, engine: EngineConfig, address: str | None = None, api_key: str | None = None,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, log_level: str = "warning"):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, log_level: str = "warning",
+                 http: ServeConfig | None = None):
         log_level = check_level(log_level)
         self.folder = tempfile.mkdtemp(prefix="stemma-")  # mode 0700: only we reach the ipc paths
         self.address = address or f"ipc://{self.folder}/client"
@@ -80,7 +94,9 @@ class ServerProcesses:
         self.gateway = _spawn("stemma.serve.gateway", {
             "address": self.address, "requests": requests, "outputs": outputs,
             "engine_pid": self.engine.pid, "api_key": api_key, "max_frame_bytes": max_frame_bytes,
-            "log_level": log_level})
+            "log_level": log_level,
+            **({"http_host": http.host, "http_port": http.port,
+                "served_model_name": http.served_model_name} if http is not None else {})})
         logger.debug("started the engine (pid %d) and the gateway (pid %d) for %s",
                      self.engine.pid, self.gateway.pid, self.address)
 
@@ -135,11 +151,14 @@ def serve(engine: EngineConfig, config: ServeConfig, log_level: str = "info") ->
         stop["signal"] = signum
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    procs = ServerProcesses(engine, config.address, api_key, config.max_frame_bytes, log_level)
+    procs = ServerProcesses(engine, config.address, api_key, config.max_frame_bytes, log_level,
+                            http=config)
     try:
         try:
             if procs.wait_ready(None, lambda: stop["signal"] is not None):
-                logger.info("serving %s at %s", engine.model or "the default model", config.address)
+                logger.info("serving %s: HTTP at %s (OpenAI API under /v1, /metrics, /dashboard), "
+                            "ZeroMQ at %s", engine.model or "the default model", config.url,
+                            config.address)
         except RuntimeError as exc:
             logger.error("%s", exc)
             return 1

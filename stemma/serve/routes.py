@@ -13,7 +13,7 @@ from typing import Any
 @dataclass(eq=False)
 class Pending:
     """A client request in flight. For generate requests, `texts` holds one TextStream per sequence."""
-    peer: bytes
+    peer: bytes | int                # a ZeroMQ identity, or an HTTP request's bridge peer
     rid: str
     kind: str                        # the request's message tag
     stream: bool = False
@@ -22,14 +22,15 @@ class Pending:
     params: Any = None               # SamplingParams (generate requests)
     texts: dict[int, Any] = field(default_factory=dict)
     done: int = 0                    # sequences finished so far (of n)
+    program: str | None = None       # the frontend program that sent it
 
 
 class Routes:
     def __init__(self):
         self._ids = itertools.count()
         self._by_gid: dict[str, Pending] = {}
-        self._by_client: dict[tuple[bytes, str], str] = {}
-        self._by_peer: dict[bytes, set[str]] = {}
+        self._by_client: dict[tuple[bytes | int, str], str] = {}
+        self._by_peer: dict[bytes | int, set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._by_gid)

@@ -1,5 +1,6 @@
-"""A backend over a stemma server, through its client (`stemma.connect`); the embedded default
-(`stemma.Runtime()`, started on first use) is one too.
+"""A backend over a stemma server, through its client (`stemma.connect`: the ZeroMQ Client, or the
+HttpClient for an http:// address); the embedded default (`stemma.Runtime()`, started on first
+use) is one too.
 
 The program's token ids are made here, with the served model's own tokenizer, which is loaded
 from the model path the server reports (so the server must share this machine's files), unless
@@ -22,12 +23,15 @@ from stemma.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from stemma.client.http import HttpClient
+
 
 class RemoteBackend(Backend):
-    def __init__(self, client: Client | str, tokenizer: PreTrainedTokenizerBase | None = None,
+    def __init__(self, client: Client | HttpClient | str, tokenizer: PreTrainedTokenizerBase | None = None,
                  connect_timeout: float = 30.0):
-        """`client`: a stemma.connect() client or an address; `tokenizer`: the served model's
-        tokenizer, when this machine cannot load it from the path the server reports."""
+        """`client`: a stemma.connect() client (ZeroMQ or HTTP) or an address (tcp://, ipc://,
+        http://, https://); `tokenizer`: the served model's tokenizer, when this machine cannot
+        load it from the path the server reports."""
         self.client = connect(client) if isinstance(client, str) else client
         self.connect_timeout = connect_timeout
         self._codec: TokenCodec | None = HFCodec(tokenizer) if tokenizer is not None else None
@@ -97,6 +101,9 @@ class EmbeddedBackend(RemoteBackend):
 def remote_backend_for(value: object) -> RemoteBackend | None:
     """A RemoteBackend for a client, a server address or a stemma.Runtime; None for anything else."""
     if isinstance(value, (Client, str)):
+        return RemoteBackend(value)
+    http = sys.modules.get("stemma.client.http")  # an HttpClient exists only if its module loaded
+    if http is not None and isinstance(value, http.HttpClient):
         return RemoteBackend(value)
     runtime = sys.modules.get("stemma.serve.runtime")  # a Runtime exists only if its module loaded
     if runtime is not None and isinstance(value, runtime.Runtime):

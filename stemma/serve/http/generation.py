@@ -1,0 +1,181 @@
+"""Running the generate requests of one HTTP request through the gateway, and what the
+OpenAI-compatible routes build from their replies.
+
+One HTTP request is one LocalPeer, with one GenerateReq per prompt (each with its `n`); choice
+`p * n + j` is sequence j of prompt p, as OpenAI numbers them. The peer is closed when the HTTP
+request ends in any way (done, error, client gone), which aborts what is still running.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from stemma import protocol as P
+from stemma.sampling_params import SamplingParams
+from stemma.serve.http.errors import ApiError, ClientGone, bad_field, from_server
+from stemma.serve.http.state import HttpState, LocalPeer
+
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str | None = None          # the prompt as the client gave it, when it gave text
+
+
+@dataclass
+class Run:
+    """The generate requests of one HTTP request, in flight."""
+    peer: LocalPeer
+    prompts: list[Prompt]
+    params: SamplingParams
+    stream: bool
+    rids: dict[str, int] = field(default_factory=dict)   # rid -> prompt index
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+
+    def choice(self, msg: P.TokenChunk | P.Finished) -> int:
+        return self.rids[msg.rid] * self.params.n + msg.index
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+
+def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, stream: bool,
+          program: str | None = None) -> Run:
+    limit = state.engine.context_length
+    for i, prompt in enumerate(prompts):
+        if len(prompt.ids) + (params.max_new_tokens > 0) > limit:
+            raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                            f"the prompt has {len(prompt.ids)} tokens; with max_tokens "
+                            f"{params.max_new_tokens} it does not fit the context of {limit} tokens")
+    run = Run(state.open(), prompts, params, stream)
+    for i, prompt in enumerate(prompts):
+        rid = state.new_rid()
+        run.rids[rid] = i
+        run.peer.send(P.GenerateReq(rid=rid, input_ids=prompt.ids, params=params, stream=stream,
+                                    program=program))
+    return run
+
+
+async def replies(run: Run) -> AsyncIterator[P.TokenChunk | P.Finished]:
+    """Every chunk and finish of the run, until all its sequences finished. An error reply
+    raises ApiError (the peer closes, which aborts the others)."""
+    left = run.choices
+    while left:
+        msg = await run.peer.get()
+        if isinstance(msg, P.ErrorMsg):
+            raise from_server(msg)
+        if isinstance(msg, P.Finished):
+            left -= 1
+            if msg.finish_reason == "error":  # its constraint failed to build
+                raise bad_field(_constraint_field(run.params), msg.meta.get("error", "the request failed"))
+        if isinstance(msg, (P.TokenChunk, P.Finished)):
+            yield msg
+
+
+def _constraint_field(params: SamplingParams) -> str:
+    if params.regex is not None:
+        return "regex"
+    return "ebnf" if params.grammar is not None else "response_format"
+
+
+async def finished(run: Run) -> list[P.Finished]:
+    """The Finished of every choice, in choice order."""
+    out: list[P.Finished | None] = [None] * run.choices
+    async for msg in replies(run):
+        if isinstance(msg, P.Finished):
+            out[run.choice(msg)] = msg
+    return out  # type: ignore[return-value]
+
+
+async def respond(request: Request, run: Run, stream: Callable[[], AsyncIterator[str]],
+                  body: Callable[[list[P.Finished]], Any]):
+    """The HTTP response of `run`: SSE from `stream()` when it streams, else JSON of `body(outs)`
+    once every choice finished (aborted if the client leaves first)."""
+    if run.stream:
+        return StreamingResponse(stream(), media_type="text/event-stream")
+    with run.peer:
+        outs = await unless_disconnected(request, finished(run))
+    return JSONResponse(body(outs))
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; cancelled (ClientGone) when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def usage(run: Run, outs: list[P.Finished]) -> dict[str, Any]:
+    """OpenAI's usage object; a prompt counts once, its cached tokens those of its first sequence."""
+    n = run.params.n
+    prompt = sum(len(p.ids) for p in run.prompts)
+    cached = sum(outs[i * n].meta.get("cached_tokens", 0) for i in range(len(run.prompts))
+                 if outs[i * n] is not None)
+    completion = sum(len(o.token_ids) for o in outs if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return reason  # stemma's reasons are OpenAI's ("stop", "length"), plus "abort"
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: ApiError) -> str:
+    return sse(exc.body())
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else str(token)
+
+
+def max_tokens_for(state: HttpState, prompts: list[Prompt], requested: int | None) -> int:
+    """`requested`, or what the context leaves after the longest prompt."""
+    if requested is not None:
+        return requested
+    longest = max(len(p.ids) for p in prompts)
+    return max(state.engine.context_length - longest - 1, 0)
+
+
+def tokenize(state: HttpState, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
+    if state.tokenizer is None:
+        raise bad_field(field_name, "this model has no tokenizer; send token ids instead of text")
+    ids = list(state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    if not ids:
+        raise bad_field(field_name, f"{field_name} must hold at least one token")
+    return ids
+
+
+def check_ids(state: HttpState, ids: list[int], field_name: str) -> list[int]:
+    vocab = state.engine.vocab_size
+    bad = [t for t in ids if t >= vocab]
+    if bad:
+        raise bad_field(field_name, f"{field_name} holds token ids outside [0, {vocab}): {bad[0]}")
+    return ids

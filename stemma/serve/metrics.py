@@ -1,0 +1,84 @@
+"""The server's Prometheus metrics, named as vLLM and SGLang users chart them, under `stemma:`.
+
+The gateway observes every generate request, whichever front (ZeroMQ or HTTP) it came by:
+- from each finished sequence's meta (measured in the engine): TTFT, one inter-token latency per
+  output token after the first, end-to-end latency, queue time, and its token counts;
+- from the engine's stats, polled by the gateway (never by a scrape): the gauges.
+A sequence is one of a request's `n`; counts are per sequence, as the engine's counters are.
+Scraping only reads this registry (on the HTTP thread); it never waits on the engine.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "stemma:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+ABORT = "abort"
+GAUGES = {  # gauge suffix -> the engine stats key it shows
+    "num_requests_running": "running",
+    "num_requests_waiting": "queue",
+    "num_grammar_queue_reqs": "grammar_queue",
+    "kv_cache_usage_perc": "pool_usage",
+    "cache_hit_rate": "cache_hit_rate",
+}
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, registry=r, buckets=buckets)
+
+        def counter(name: str, doc: str, labels=()) -> Counter:
+            return Counter(PREFIX + name, doc, labelnames=labels, registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, per sequence.",
+                             LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first admission.",
+                               LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished sequences.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.cached_tokens = counter("cached_tokens_total", "Prompt tokens served from the cache.")
+        self.success = counter("request_success_total", "Sequences finished, by finish reason.",
+                               ("finished_reason",))
+        self.aborted = counter("num_aborted_requests_total", "Sequences aborted.")
+        self.retractions = counter("retractions_total", "Retractions of finished sequences.")
+        self.gauges = {suffix: Gauge(PREFIX + suffix, f"The engine's {key}.", registry=r)
+                       for suffix, key in GAUGES.items()}
+
+    def on_finished(self, finish_reason: str | None, meta: dict[str, Any]) -> None:
+        """One finished sequence (a Finished message's reason and meta)."""
+        if meta.get("ttft") is not None:
+            self.ttft.observe(meta["ttft"])
+        for gap in meta.get("itl") or ():
+            self.itl.observe(gap)
+        if meta.get("latency") is not None:
+            self.e2e.observe(meta["latency"])
+        if meta.get("queue_time") is not None:
+            self.queue.observe(meta["queue_time"])
+        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        self.generation_tokens.inc(meta.get("completion_tokens", 0))
+        self.cached_tokens.inc(meta.get("cached_tokens", 0))
+        self.retractions.inc(meta.get("retractions", 0))
+        if finish_reason == ABORT:
+            self.aborted.inc()
+        else:
+            self.success.labels(finished_reason=str(finish_reason)).inc()
+
+    def on_stats(self, stats: dict[str, Any]) -> None:
+        for suffix, key in GAUGES.items():
+            if key in stats:
+                self.gauges[suffix].set(stats[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,99 @@
+"""`stemma serve` as a real subprocess for the server tests, and the process helpers they share."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx2
+
+ENGINE = dict(dtype="float32", attention_backend="torch", kv_pool_tokens=8192, max_running_requests=64)
+START_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (all bound at once while they are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return out
+
+
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def engine_flags(**overrides) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE, **overrides}.items()]
+
+
+class HttpServed:
+    """`stemma serve --model folder` with HTTP on `port` (`url`) and ZeroMQ on `zmq_port`
+    (`address`), ready once `GET /health` answers 200. `extra`: more `stemma serve` flags."""
+
+    def __init__(self, folder: str, *extra: str, engine: dict | None = None, cwd: str | None = None):
+        self.port, self.zmq_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.address = f"tcp://127.0.0.1:{self.zmq_port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stemma", "serve", "--model", folder, "--port", str(self.port),
+             "--zmq-port", str(self.zmq_port), *engine_flags(**(engine or {})), *extra], cwd=cwd)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc.poll() is None, "serve exited during startup"
+            assert time.monotonic() < deadline, "serve did not become healthy"
+            try:
+                if httpx2.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.2)
+        self.children = children(self.proc.pid)
+
+    def stop(self) -> int:
+        """SIGINT (a clean shutdown); returns serve's exit status, killing what outlives 30 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            for pid in self.children:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,374 @@
+"""The HTTP front of `stemma serve`, driven by the official `openai` client (sync and async), on a
+tiny random llama with a ByteLevel tokenizer (so constrained decoding works), in a subprocess.
+Greedy outputs are compared with the in-process Engine on the same checkpoint."""
+import asyncio
+import json
+import time
+
+import httpx2
+import jsonschema
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import stemma
+from stemma.sampling_params import SamplingParams
+from tests.bytelevel_tokenizer import build_tiny_bytelevel
+from tests.served import ENGINE, HttpServed
+
+KEY = "http-s3cret"
+BODY_LIMIT = 64 * 1024
+TINY = ("--served-model-name", "tiny")
+PROMPT = "The date is 2024"
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                "age": {"type": "integer"}},
+               "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(build_tiny_bytelevel(tmp_path_factory.mktemp("http_bytelevel")))
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    served = HttpServed(folder, "--api-key", KEY, "--max-frame-bytes", str(BODY_LIMIT), *TINY)
+    yield served
+    assert served.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    return stemma.Engine(folder, **ENGINE)
+
+
+def http(server, method, path, **kw):
+    headers = {"Authorization": f"Bearer {KEY}", **kw.pop("headers", {})}
+    return httpx2.request(method, server.url + path, headers=headers, timeout=60, **kw)
+
+
+def info(server) -> dict:
+    return http(server, "GET", "/get_server_info").json()
+
+
+def wait_idle(server, timeout=15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = info(server)["stats"]
+        if stats["running"] == 0 and stats["queue"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the server is still busy: {stats}"
+        time.sleep(0.05)
+
+
+def greedy(max_tokens=12, **kw):
+    return dict(max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True, **kw})
+
+
+# ---------------------------------------------------------------- completions
+
+def test_completion_equals_the_in_process_engine(client, engine):
+    ref = engine.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    out = client.completions.create(model="tiny", prompt=PROMPT, **greedy())
+    (choice,) = out.choices
+    assert choice.text == ref.text and choice.finish_reason == "length"
+    ids = engine.tokenizer(PROMPT).input_ids
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == len(ids) + 12
+    assert out.model == "tiny" and out.object == "text_completion"
+    by_ids = client.completions.create(model="tiny", prompt=ids, **greedy())
+    assert by_ids.choices[0].text == ref.text
+
+
+def test_completion_stream_and_include_usage(client):
+    plain = client.completions.create(model="tiny", prompt=PROMPT, **greedy(16))
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **greedy(16)))
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 16
+    assert all(c.usage is None for c in body)
+    assert "".join(c.choices[0].text for c in body) == plain.choices[0].text
+    assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == ["length"]
+
+
+def test_completion_n2_and_several_prompts(client):
+    out = client.completions.create(model="tiny", prompt=[PROMPT, "hello world"], n=2,
+                                    max_tokens=8, temperature=1.0, seed=11)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text != out.choices[1].text or out.choices[2].text != out.choices[3].text
+    again = client.completions.create(model="tiny", prompt=[PROMPT, "hello world"], n=2,
+                                      max_tokens=8, temperature=1.0, seed=11)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=8,
+                                              temperature=1.0, seed=11, stream=True))
+    texts = ["", ""]
+    for c in streamed:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [c.text for c in out.choices[:2]]
+
+
+def test_completion_logprobs_match_the_engine(client, engine):
+    ref = engine.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True,
+                                                 logprobs=True, top_logprobs=3))
+    out = client.completions.create(model="tiny", prompt=PROMPT, logprobs=3, **greedy(6))
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert len(lp.tokens) == 6 and all(len(top) <= 3 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy: the best one
+
+
+def test_echo_scores_the_prompt(client, engine):
+    ids = engine.tokenizer(PROMPT).input_ids
+    ref = engine.generate(ids, SamplingParams(max_new_tokens=0, logprob_start=0))
+    out = client.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
+    choice = out.choices[0]
+    assert choice.text == PROMPT
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    with_gen = client.completions.create(model="tiny", prompt=PROMPT, echo=True, **greedy(4))
+    plain = client.completions.create(model="tiny", prompt=PROMPT, **greedy(4))
+    assert with_gen.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_stop_list(client):
+    free = client.completions.create(model="tiny", prompt=PROMPT, **greedy(24))
+    text = free.choices[0].text
+    stop = text[len(text) // 2:][:2]
+    assert stop.strip(), text
+    out = client.completions.create(model="tiny", prompt=PROMPT, stop=["\u2603", stop], **greedy(24))
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[:text.index(stop)]
+
+
+# ---------------------------------------------------------------- chat
+
+MESSAGES = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]
+
+
+def test_chat_equals_the_engine_on_the_plain_fallback(client, engine):
+    # the tiny tokenizer has no chat template: the frontend's plain format, ended at "\nUser:"
+    prompt = "System: be brief\nUser: hello world\nAssistant: "
+    ref = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True,
+                                                 stop=["\nUser:", "\nSystem:"]))
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, **greedy(10))
+    assert out.choices[0].message.content == ref.text
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(engine.tokenizer(prompt).input_ids)
+    assert out.object == "chat.completion"
+
+
+def test_chat_stream_n2_logprobs_and_usage(client):
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True,
+                                           top_logprobs=2, **greedy(8))
+    content = plain.choices[0].logprobs.content
+    assert len(content) == plain.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+               for t in content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, stream=True,
+                                                 stream_options={"include_usage": True}, **greedy(8)))
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 2 * plain.usage.completion_tokens
+    texts = ["", ""]
+    for c in body:
+        (choice,) = c.choices
+        texts[choice.index] += choice.delta.content or ""
+    assert texts == [plain.choices[0].message.content] * 2  # greedy: both the same
+    assert body[0].choices[0].delta.role == "assistant"
+
+
+def test_json_schema_response_format(client):
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a person as JSON"}], max_tokens=60,
+        temperature=0.8, seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": JSON_SCHEMA}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), JSON_SCHEMA)
+    obj = client.completions.create(model="tiny", prompt="{", max_tokens=40, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+
+
+def test_async_client_concurrently(server, client):
+    reference = [client.completions.create(model="tiny", prompt=p, **greedy(8)).choices[0].text
+                 for p in ("hello", "the quick", "1+2")]
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        plain = await asyncio.gather(*[aclient.completions.create(model="tiny", prompt=p, **greedy(8))
+                                       for p in ("hello", "the quick", "1+2")])
+        stream = await aclient.chat.completions.create(model="tiny", messages=MESSAGES, stream=True,
+                                                       **greedy(8))
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        await aclient.close()
+        return [o.choices[0].text for o in plain], text
+
+    texts, chat_text = asyncio.run(main())
+    assert texts == reference
+    assert chat_text == client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                       **greedy(8)).choices[0].message.content
+
+
+# ---------------------------------------------------------------- the rest of the API
+
+def test_models_health_tokenize_flush(server, client, engine):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    assert httpx2.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+    tok = http(server, "POST", "/tokenize", json={"prompt": PROMPT}).json()
+    assert tok["tokens"] == engine.tokenizer(PROMPT).input_ids and tok["count"] == len(tok["tokens"])
+    assert http(server, "POST", "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith(PROMPT)
+    wait_idle(server)
+    assert http(server, "POST", "/flush_cache").json()["ok"] is True
+    assert info(server)["stats"]["pool_cached"] == 0
+
+
+def test_usage_reports_cached_tokens(client):
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    client.completions.create(model="tiny", prompt=prompt, **greedy(2))
+    again = client.completions.create(model="tiny", prompt=prompt, **greedy(2))
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+
+
+def assert_error(response, status, param=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_errors_are_openai_error_objects(server):
+    ok = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    assert_error(httpx2.post(server.url + "/v1/completions", json=ok), 401)
+    assert_error(http(server, "POST", "/v1/completions", json=ok,
+                      headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "model": "gpt-9"}), 404, "model")
+    assert_error(http(server, "GET", "/v2/nothing"), 404)
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "temperature": -1}), 400, "temperature")
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "max_tokens": "many"}), 400, "max_tokens")
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "top_k": 0}), 400, "top_k")
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "logit_bias": {"x": 1}}), 400, "logit_bias")
+    assert_error(http(server, "POST", "/v1/completions", json={"model": "tiny"}), 400, "prompt")
+    assert_error(http(server, "POST", "/v1/completions", content=b"{not json",
+                      headers={"Content-Type": "application/json"}), 400)
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "prompt": "x" * (2 * BODY_LIMIT)}), 413)
+    assert_error(http(server, "POST", "/v1/chat/completions",
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+                 400, "response_format.json_schema")
+    assert http(server, "POST", "/v1/completions", json=ok).status_code == 200  # still serving
+
+
+def test_logit_bias_and_extra_fields(client, engine):
+    forced = engine.tokenizer("Paris", add_special_tokens=False).input_ids[0]
+    free = client.completions.create(model="tiny", prompt=PROMPT, **greedy(3))
+    biased = client.completions.create(model="tiny", prompt=PROMPT, logit_bias={str(forced): 100},
+                                       **greedy(3))
+    assert biased.choices[0].text == engine.tokenizer.decode([forced] * 3) != free.choices[0].text
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9,
+                                    extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
+                                                "min_tokens": 12, "stop_token_ids": [0]})
+    assert out.usage.completion_tokens == 12
+    regex = client.completions.create(model="tiny", prompt="The phone number is", max_tokens=20,
+                                      temperature=0.7, extra_body={"regex": r" \(\d{3}\) \d{3}"})
+    assert regex.choices[0].text[0] == " " and len(regex.choices[0].text) == 10
+
+
+def test_a_disconnected_stream_frees_its_kv(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx2.Client(timeout=60) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert info(server)["stats"]["running"] == 1
+    stats = wait_idle(server)  # aborted, not run to its 1500 tokens
+    assert stats["pool_whole"] and stats["generated_tokens"] < 10_000
+
+
+def test_a_client_gone_before_its_answer_has_its_request_aborted(server):
+    before = wait_idle(server)["generated_tokens"]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx2.ReadTimeout):
+        httpx2.post(server.url + "/v1/completions",
+                    json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    stats = wait_idle(server)
+    assert stats["pool_whole"] and stats["generated_tokens"] - before < 1500
+
+
+# ---------------------------------------------------------------- metrics
+
+def scrape(server) -> dict[str, float]:
+    text = httpx2.get(server.url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())
+                                        if k != "le")
+            if "le" in sample.labels:
+                continue
+            out[key] = sample.value
+    return out
+
+
+def test_metrics_count_exactly_what_ran(server, client):
+    wait_idle(server)
+    before = scrape(server)
+    lengths = [3, 5, 1, 7]
+    for i, n in enumerate(lengths):
+        client.completions.create(model="tiny", prompt=f"hello {i}", **greedy(n))
+    prompt_tokens = sum(len(http(server, "POST", "/tokenize", json={"prompt": f"hello {i}"}).json()["tokens"])
+                        for i in range(4))
+    after = scrape(server)
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    p = "stemma:"
+    assert delta(p + "e2e_request_latency_seconds_count") == 4
+    assert delta(p + "time_to_first_token_seconds_count") == 4
+    assert delta(p + "request_queue_time_seconds_count") == 4
+    assert delta(p + "inter_token_latency_seconds_count") == sum(n - 1 for n in lengths)
+    assert delta(p + "generation_tokens_total") == sum(lengths)
+    assert delta(p + "prompt_tokens_total") == prompt_tokens
+    assert delta(p + "request_success_total{finished_reason=length}") == 4
+    assert delta(p + "num_aborted_requests_total") == 0
+    time.sleep(1.2)  # the gauges follow the engine's stats, polled once a second
+    gauges = scrape(server)
+    assert gauges[p + "num_requests_running"] == 0 and 0 <= gauges[p + "kv_cache_usage_perc"] <= 1
+    assert 0 < gauges[p + "cache_hit_rate"] <= 1
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* shows them) listening on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, _, state = line.split()[1:4]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    out.add(address)
+    return out
+
+
+def test_server_without_key_binds_loopback_and_stops_cleanly(folder):
+    served = HttpServed(folder, *TINY)
+    try:
+        r = httpx2.post(served.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200
+        assert listening_addresses(served.port) == {"0100007F"}  # 127.0.0.1 only
+    finally:
+        assert served.stop() == 0
