@@ -74,15 +74,20 @@ class HttpServed:
             [sys.executable, "-m", "stemma", "serve", "--model", folder, "--port", str(self.port),
              "--zmq-port", str(self.zmq_port), *engine_flags(**(engine or {})), *extra], cwd=cwd)
         deadline = time.monotonic() + START_TIMEOUT_S
+        self.health_seen: list[int] = []  # the statuses /health answered while starting
         while True:
             assert self.proc.poll() is None, "serve exited during startup"
             assert time.monotonic() < deadline, "serve did not become healthy"
             try:
-                if httpx2.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
+                response = httpx2.get(self.url + "/health", timeout=1)
             except httpx2.TransportError:
-                pass
-            time.sleep(0.2)
+                time.sleep(0.05)
+                continue
+            self.health_seen.append(response.status_code)
+            if response.status_code == 200:
+                break
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            time.sleep(0.05)
         self.children = children(self.proc.pid)
 
     def stop(self) -> int:

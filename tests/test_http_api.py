@@ -185,6 +185,16 @@ def test_chat_stream_n2_logprobs_and_usage(client):
     assert body[0].choices[0].delta.role == "assistant"
 
 
+def test_chat_stop_list(client):
+    free = client.chat.completions.create(model="tiny", messages=MESSAGES, **greedy(20)).choices[0]
+    text = free.message.content
+    stop = text[len(text) // 2:][:2]
+    assert stop.strip(), text
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, stop=[stop, "\u2603"],
+                                         **greedy(20)).choices[0]
+    assert out.finish_reason == "stop" and out.message.content == text[:text.index(stop)]
+
+
 def test_json_schema_response_format(client):
     out = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "a person as JSON"}], max_tokens=60,
@@ -327,8 +337,8 @@ def test_metrics_count_exactly_what_ran(server, client):
     wait_idle(server)
     before = scrape(server)
     lengths = [3, 5, 1, 7]
-    for i, n in enumerate(lengths):
-        client.completions.create(model="tiny", prompt=f"hello {i}", **greedy(n))
+    cached = sum(client.completions.create(model="tiny", prompt=f"hello {i}", **greedy(n))
+                 .usage.prompt_tokens_details.cached_tokens for i, n in enumerate(lengths))
     prompt_tokens = sum(len(http(server, "POST", "/tokenize", json={"prompt": f"hello {i}"}).json()["tokens"])
                         for i in range(4))
     after = scrape(server)
@@ -343,6 +353,7 @@ def test_metrics_count_exactly_what_ran(server, client):
     assert delta(p + "inter_token_latency_seconds_count") == sum(n - 1 for n in lengths)
     assert delta(p + "generation_tokens_total") == sum(lengths)
     assert delta(p + "prompt_tokens_total") == prompt_tokens
+    assert delta(p + "cached_tokens_total") == cached > 0
     assert delta(p + "request_success_total{finished_reason=length}") == 4
     assert delta(p + "num_aborted_requests_total") == 0
     time.sleep(1.2)  # the gauges follow the engine's stats, polled once a second
@@ -366,6 +377,8 @@ def listening_addresses(port: int) -> set[str]:
 
 def test_server_without_key_binds_loopback_and_stops_cleanly(folder):
     served = HttpServed(folder, *TINY)
+    # the HTTP front is up before the model: until then /health said 503, with the error object
+    assert 503 in served.health_seen and set(served.health_seen) <= {503, 200}
     try:
         r = httpx2.post(served.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200
