@@ -9,6 +9,7 @@ from stemma.registry import ATTENTION_BACKENDS, POLICIES
 BATCHING = ("continuous", "dynamic", "static")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # how weight matrices are held (stemma.loader.quantize)
 INT4_GROUP_SIZES = (32, 64, 128)
+MAX_DRAFT_TOKENS = 16
 
 
 def one_of(default: str | int, names: Sequence[str | int]) -> Any:
@@ -39,6 +40,8 @@ class EngineConfig:
     random_seed: int | None = None        # seeds the RNG of unseeded sampled requests
     enable_jump_forward: bool = True      # constrained decoding appends forced text unsampled
     constraint_cache_size: int = 64       # outlines-core Indexes kept (one per regex/JSON schema)
+    speculative: str = "none"             # none | ngram | draft:<model path> (stemma.speculative)
+    speculative_max_tokens: int = 8       # most draft tokens a request verifies in one step
 
     def __post_init__(self):
         def positive(name):
@@ -57,6 +60,13 @@ class EngineConfig:
             raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {self.kv_reserve_ratio}")
         if self.dynamic_wait_ms < 0:
             raise ValueError(f"dynamic_wait_ms must be >= 0, got {self.dynamic_wait_ms}")
+        if self.speculative not in ("none", "ngram") and not (
+                self.speculative.startswith("draft:") and len(self.speculative) > len("draft:")):
+            raise ValueError(f"speculative must be none, ngram or draft:<model path>, got "
+                             f"{self.speculative!r}")
+        if not 1 <= self.speculative_max_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative_max_tokens must be in [1, {MAX_DRAFT_TOKENS}], got "
+                             f"{self.speculative_max_tokens}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
 

@@ -222,6 +222,30 @@ class RadixTree:
             node = node.parent
         return torch.cat(parts[::-1]) if parts else self._empty()
 
+    def continuation(self, key: Sequence[int], salt: str | None, k: int) -> list[int]:
+        """Up to k cached tokens that follow `key` under `salt`, when all of `key` is cached:
+        the rest of the edge it ends in, then down the children most hit (then most recently
+        used). Read-only: no split, no access time, so a lookup changes no eviction order."""
+        root = self._roots.get(salt)
+        if root is None or k <= 0:
+            return []
+        key = key if isinstance(key, tuple) else tuple(key)
+        node, i, out = root, 0, []
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                return []
+            p = common_len(child.key, key, i)
+            if p < len(child.key):
+                if i + p < len(key):
+                    return []  # the key leaves the tree inside this edge
+                out = list(child.key[p:p + k])
+            node, i = child, i + p
+        while len(out) < k and node.children:
+            node = max(node.children.values(), key=lambda c: (c.hits, c.last_access))
+            out.extend(node.key[:k - len(out)])
+        return out
+
     def path_key(self, node: Node) -> Key:
         """The tokens from the root down to the end of `node`."""
         parts = []

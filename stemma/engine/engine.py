@@ -24,6 +24,7 @@ from stemma.outputs import RequestOutput
 from stemma.sampling.sampler import Sampler
 from stemma.sampling.seeded_noise import sibling_seed
 from stemma.sampling_params import SamplingParams
+from stemma.speculative.speculation import make_speculation
 from stemma.text.detokenizer import TextStream
 from stemma.text.publisher import Publisher
 
@@ -91,8 +92,11 @@ class Engine:
         self.constrainer = Constrainer(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids,
                                        cfg.enable_jump_forward, cfg.constraint_cache_size)
         self.cache = RadixCache(self.runner.pool.allocator, self.runner.req_to_slot, cfg.enable_radix_cache)
+        self.spec = make_speculation(cfg, self.cache, self.runner.req_to_slot, self.runner.max_context,
+                                     target=self.runner)
         self.scheduler = Scheduler(cfg, self.cache, self.runner.req_to_slot, self.constrainer,
-                                   StopRule(self.eos_token_ids, self.runner.max_context, self.tokenizer))
+                                   StopRule(self.eos_token_ids, self.runner.max_context, self.tokenizer),
+                                   self.spec)
         self.executor = Executor(self.runner, self.sampler, self.constrainer, self.eos_token_ids)
 
     # ---- requests ----
@@ -137,9 +141,12 @@ class Engine:
             return plan.finished
         out = self.executor.run(plan)
         touched = self.scheduler.postprocess(plan, out)
+        seconds = time.perf_counter() - start
         counters = self.scheduler.counters
         counters.steps += 1
-        counters.busy_time += time.perf_counter() - start
+        counters.busy_time += seconds
+        if self.spec is not None:
+            self.spec.observe(plan, seconds)
         return touched
 
     def idle_timeout(self) -> float:
@@ -229,6 +236,7 @@ class Engine:
             "retractions": c.retractions,
             **self.scheduler.stats(),
             **self.cache.usage(),
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     def check_pool_whole(self) -> None:

@@ -18,11 +18,15 @@ class StepPlan:
     """Request i runs `counts[i]` new tokens, whose KV slots are already in its req->slot row at
     positions [kv_len, kv_len + counts[i]). `sample[i]`: its last new token completes the sequence
     so far, so the step samples a token for it. `finished`: requests that ended while planning
-    (a constraint that failed to build), reported with the step's results."""
+    (a constraint that failed to build), reported with the step's results. `drafts[i]`: the
+    draft tokens request i verifies this step, and their drafter; its counts[i] is then
+    1 + len(drafts), and its draft slots sit right after its decode slot."""
     reqs: list[Request] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    drafts: dict[int, tuple[list[int], str]] = field(default_factory=dict)
+    decodes: int = 0                 # requests 0..decodes-1 decode (with or without drafts)
 
     def add(self, req: Request, n: int) -> None:
         self.reqs.append(req)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from stemma.sampling_params import SamplingParams
 
@@ -51,6 +51,7 @@ class Request:
     prompt_logprobs_done: bool = False
     stop_tracker: TextStream | None = None  # made on first use when params.stop is set (engine.stop)
     constraint: Guide | None = None  # the guide of a regex/json_schema/grammar request, once built
+    spec_state: Any = None           # speculative decoding's record of it (speculative.SpecState)
     arrival: float = field(default_factory=time.perf_counter)
     admit_time: float | None = None        # first admission: arrival to here is its queue time
     first_token_time: float | None = None

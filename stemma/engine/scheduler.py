@@ -36,6 +36,7 @@ from stemma.engine.prefix_match import PrefixMatches
 from stemma.engine.request import ReqState, Request
 from stemma.engine.retraction import Retraction
 from stemma.engine.stop import StopRule
+from stemma.speculative.verify import accepted
 
 if TYPE_CHECKING:
     from stemma.cache.kv_pool import ReqToSlot
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from stemma.constrained.constrainer import Constrainer
     from stemma.engine_config import EngineConfig
     from stemma.executor.executor import StepOutput
+    from stemma.speculative.speculation import Speculation
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +55,9 @@ GUIDE_WAIT_S = 1.0         # `wait` while a guide builds (its completion wakes i
 
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: RadixCache, req_to_slot: ReqToSlot,
-                 constrainer: Constrainer, stops: StopRule):
+                 constrainer: Constrainer, stops: StopRule, spec: Speculation | None = None):
         self.config = config
+        self.spec = spec
         self.cache = cache
         self.req_to_slot = req_to_slot
         self.constrainer = constrainer
@@ -192,6 +195,9 @@ class Scheduler:
             for r in decodes:
                 plan.add(r, 1)
             scheduled.update(id(r) for r in decodes)
+            plan.decodes = len(decodes)
+            if self.spec is not None:
+                self.spec.extend(plan, list(range(len(decodes))))
         for req in [r for r in self.running if not r.is_decoding]:
             n = admission.chunk(req.extend_len)
             if n == 0 or not self.retraction.alloc_into(req, n):
@@ -240,14 +246,13 @@ class Scheduler:
         for i, (req, n) in enumerate(zip(plan.reqs, plan.counts)):
             if i in out.prompt_logprobs:
                 self._book_prompt_logprobs(req, n, out.prompt_logprobs[i])
-            req.kv_len += n
+            req.kv_len += 1 if i in plan.drafts else n  # a draft's KV counts once it is accepted
             if req.kv_len < len(req.tokens):
                 req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
             elif not plan.sample[i]:
                 self._finish(req, "length")  # max_new_tokens == 0: the prompt was all it asked for
-        sampled = plan.sampled
-        if sampled:
-            self._book_samples(sampled, out)
+        if any(plan.sample):
+            self._book_samples(plan, out)
         return plan.finished + list(plan.reqs)
 
     def _book_prompt_logprobs(self, req: Request, n: int, values: list[float] | None) -> None:
@@ -270,30 +275,47 @@ class Scheduler:
             req.itl.extend([(now - req.last_token_time) / k] * k)
         req.last_token_time = now
 
-    def _book_samples(self, reqs: list[Request], out: StepOutput) -> None:
+    def _book_samples(self, plan: StepPlan, out: StepOutput) -> None:
         now = time.perf_counter()
         newly_prompt_done = []
-        for i, (req, sampled) in enumerate(zip(reqs, out.token_ids)):
+        sampled = [i for i, s in enumerate(plan.sample) if s]
+        row = 0
+        for i, count in zip(sampled, out.counts or [1] * len(sampled)):
+            req, rows = plan.reqs[i], range(row, row + count)
+            row += count
             first = not req.output_ids
-            # a constrained request may end here, or append forced tokens (jump-forward) in place of
-            # the sampled one; a request asking for logprobs is never jump-forwarded
-            news, reason = ([sampled], None) if req.constraint is None else self.constrainer.advance(req, sampled)
+            draft = plan.drafts.get(i)
+            if draft is not None:  # verified: the accepted drafts (their KV is computed), then one
+                drafts, source = draft
+                end = req.kv_len + len(drafts)
+                news, reason = accepted(drafts, out.token_ids[rows.start:rows.stop]), None
+                self.spec.book(req, source, len(drafts), len(news) - 1)
+            else:
+                # a constrained request may end here, or append forced tokens (jump-forward) in
+                # place of the sampled one; a request asking for logprobs is never jump-forwarded
+                tok = out.token_ids[rows.start]
+                news, reason = ([tok], None) if req.constraint is None else self.constrainer.advance(req, tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             appended = len(req.output_ids)
             for j, tok in enumerate(news):
+                r = rows[min(j, count - 1)]
                 req.append(tok)
+                if draft is not None and j < len(news) - 1:
+                    req.kv_len += 1
                 self.counters.generated_tokens += 1
                 if out.logprobs is not None and req.params.logprobs:
-                    req.output_logprobs.append(out.logprobs[i])
+                    req.output_logprobs.append(out.logprobs[r])
                 if out.top_logprobs is not None and req.params.top_logprobs:
                     k = req.params.top_logprobs
-                    ids, values = out.top_logprobs[i]
+                    ids, values = out.top_logprobs[r]
                     req.output_top_logprobs.append(list(zip(ids[:k], values[:k])))
                 stop = self.stops.check(req, tok)
                 if stop is not None:  # the constraint's own end wins on its last token
                     reason = reason if reason is not None and j == len(news) - 1 else stop
                     break
+            if draft is not None:
+                self.spec.free_unused(req, end)
             self._book_times(req, len(req.output_ids) - appended, first, now)
             if reason is not None:
                 self._finish(req, reason)
@@ -307,6 +329,8 @@ class Scheduler:
         """Gives back the request's row and KV; computed KV goes to the radix tree."""
         if req.row is None:
             return
+        if self.spec is not None:
+            self.spec.release(req)
         self.cache.cache_finished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
         self.req_to_slot.free_row(req.row)
         self.running.remove(req)

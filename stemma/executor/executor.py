@@ -11,6 +11,7 @@ import torch
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.sampling.batch import SamplingBatch
 from stemma.sampling.sampler import row_major_float
+from stemma.speculative.verify import VirtualRow, virtual_rows
 
 if TYPE_CHECKING:
     from stemma.constrained.constrainer import Constrainer
@@ -22,8 +23,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepOutput:
-    """What a step computed. Row i of the sampled lists belongs to `plan.sampled[i]`."""
+    """What a step computed. The sampled lists have one row per sampled position: request i of
+    `plan.sampled` owns `counts[i]` consecutive rows (1, or 1 + its drafts when it speculates;
+    `counts` empty: one row each)."""
     token_ids: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None                            # None: no row asked
     top_logprobs: list[tuple[list[int], list[float]]] | None = None  # (ids, values) per row, k_max
     # plan index -> logprobs of the prompt tokens this step scored (None: none of them was a
@@ -57,29 +61,43 @@ class Executor:
         logits = self.runner.forward(fb)
         out = StepOutput()
         ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()  # request i's rows end at ends[i]
-        rows = []
+        rows, sampled = [], []
         for i, (req, n) in enumerate(zip(plan.reqs, plan.counts)):
+            if i in plan.drafts:  # every row: each draft position is sampled (verify)
+                drafts = plan.drafts[i][0]
+                rows.extend(range(ends[i] - len(drafts) - 1, ends[i]))
+                sampled.extend(virtual_rows(req, drafts))
+                out.counts.append(len(drafts) + 1)
+                continue
             if req.logit_start() is not None:
                 out.prompt_logprobs[i] = prompt_logprobs(req, n, logits[ends[i] - fb.logits_counts[i]:ends[i]])
             if plan.sample[i]:
                 rows.append(ends[i] - 1)
+                sampled.append(req)
+                out.counts.append(1)
         if rows:
             if len(rows) != logits.shape[0]:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            self._sample(plan.sampled, logits, out)
+            self._sample(sampled, logits, out)
         return out
 
     def batch(self, plan: StepPlan) -> ForwardBatch:
         req_to_slot = self.runner.req_to_slot
         reqs, counts = plan.reqs, plan.counts
-        token_lists = [r.tokens[r.kv_len:r.kv_len + n] for r, n in zip(reqs, counts)]
+        token_lists, logit_starts = [], []
+        for i, (r, n) in enumerate(zip(reqs, counts)):
+            if i in plan.drafts:  # the last token, then the drafts: logits at every one
+                token_lists.append(r.tokens[r.kv_len:r.kv_len + 1] + plan.drafts[i][0])
+                logit_starts.append(r.kv_len)
+            else:
+                token_lists.append(r.tokens[r.kv_len:r.kv_len + n])
+                logit_starts.append(r.logit_start())
         out_slots = torch.cat([req_to_slot.read(r.row, r.kv_len + n, r.kv_len) for r, n in zip(reqs, counts)])
         return ForwardBatch.build(token_lists=token_lists, req_rows=[r.row for r in reqs],
                                   prefix_lens=[r.kv_len for r in reqs], out_slots=out_slots,
-                                  req_to_slot=req_to_slot.table,
-                                  logit_starts=[r.logit_start() for r in reqs])
+                                  req_to_slot=req_to_slot.table, logit_starts=logit_starts)
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, out: StepOutput) -> None:
+    def _sample(self, reqs: list[Request | VirtualRow], logits: torch.Tensor, out: StepOutput) -> None:
         # constrained rows only: one bitmask, applied in place; unconstrained rows are not touched
         guided = [i for i, r in enumerate(reqs) if r.constraint is not None]
         if guided:

@@ -25,6 +25,11 @@ GAUGES = {  # gauge suffix -> the engine stats key it shows
     "num_grammar_queue_reqs": "grammar_queue",
     "kv_cache_usage_perc": "pool_usage",
     "cache_hit_rate": "cache_hit_rate",
+    # speculative decoding (engines with speculative on): cumulative counts and rates
+    "spec_decode_num_draft_tokens": "spec_proposed",
+    "spec_decode_num_accepted_tokens": "spec_accepted",
+    "spec_decode_draft_acceptance_rate": "spec_acceptance_rate",
+    "spec_decode_mean_accepted_length": "spec_mean_accepted",
 }
 
 

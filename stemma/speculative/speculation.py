@@ -1,0 +1,205 @@
+"""The scheduler's side of speculative decoding: drafts for this step's decoding requests, a
+draft length per request, and the booking of what was accepted.
+
+A draft length is chosen per step for the whole batch: draft tokens are added one at a time,
+best expected gain first, while they raise the expected tokens per second of the step. A draft
+token j of request r is accepted with probability alpha_r^(j+1), alpha_r the request's measured
+acceptance rate (blended with its drafter's, while the request has little history); a step's
+time comes from `StepCost`, fitted on this machine's own steps. When the batch is compute-bound,
+an extra row costs more than it is expected to return, and no request speculates.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from stemma.speculative.cost import StepCost
+from stemma.speculative.ngram import NgramDrafter, NgramIndex
+
+if TYPE_CHECKING:
+    from stemma.cache.kv_pool import ReqToSlot
+    from stemma.cache.radix_cache import RadixCache
+    from stemma.engine.plan import StepPlan
+    from stemma.engine.request import Request
+
+PRIOR_WEIGHT = 2.0      # a request's own history counts this many drafts' worth of its drafter's
+SOURCE_DECAY = 0.99     # per verified draft: a drafter's rate follows its recent record
+
+
+@dataclass
+class Rate:
+    """Draft tokens accepted and first rejections: alpha = hits / (hits + misses)."""
+    hits: float = 0.0
+    misses: float = 0.0
+
+    def alpha(self, prior: float, weight: float) -> float:
+        return (self.hits + weight * prior) / (self.hits + self.misses + weight)
+
+    def book(self, accepted: int, proposed: int, decay: float = 1.0) -> None:
+        self.hits = decay * self.hits + accepted
+        self.misses = decay * self.misses + (1 if accepted < proposed else 0)
+
+
+@dataclass
+class SpecState:
+    """What speculation keeps on a request (Request.spec_state)."""
+    index: NgramIndex = field(default_factory=NgramIndex)
+    rate: Rate = field(default_factory=Rate)
+
+
+@dataclass
+class SpecCounters:
+    proposed: int = 0       # draft tokens verified
+    accepted: int = 0       # of which accepted
+    verified: int = 0       # request-steps that verified drafts
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for a step's decoding requests.
+
+    `free`: proposing costs nothing worth counting (a lookup), so proposals are made first and
+    their lengths bound the choice; otherwise (a draft model) lengths are chosen first, from the
+    acceptance record, and only those tokens are drafted. `sources`: the names its drafts come
+    under, with the acceptance rate assumed before any is measured. Drafts must be deterministic
+    functions of the request's tokens (verification is exact only for point-mass proposals).
+    """
+    free: bool
+    sources: dict[str, float]
+
+    def propose(self, reqs: list[Request], lengths: list[int]) -> list[tuple[list[int], str]]:
+        """Up to lengths[i] draft tokens for reqs[i], and their source."""
+
+    def release(self, req: Request) -> None:
+        """req gave back its KV (finished or retracted): forget what is kept for it."""
+
+
+class Speculation:
+    def __init__(self, drafter: Drafter, max_tokens: int, max_context: int, cache: RadixCache,
+                 req_to_slot: ReqToSlot):
+        self.max_tokens = max_tokens
+        self.max_context = max_context
+        self.cache = cache
+        self.req_to_slot = req_to_slot
+        self.drafter = drafter
+        self.cost = StepCost()
+        self.priors = dict(drafter.sources)
+        self.sources = {name: Rate() for name in self.priors}
+        self.counters = SpecCounters()
+
+    # ---- planning ----
+    def extend(self, plan: StepPlan, indices: list[int]) -> None:
+        """Gives the decoding requests at plan `indices` drafts, when they pay, with their slots."""
+        reqs, limits = [], []
+        for i in indices:
+            req = plan.reqs[i]
+            k = min(self.max_tokens, req.remaining_new_tokens - 1, self.max_context - req.kv_len - 2)
+            if k > 0 and not req.params.is_constrained:
+                if req.spec_state is None:
+                    req.spec_state = SpecState()
+                reqs.append((i, req))
+                limits.append(k)
+        if not reqs:
+            return
+        if self.drafter.free:
+            drafts = self.drafter.propose([r for _, r in reqs], limits)
+            lengths = self.choose(len(indices), [(self._alpha(r, src), len(t))
+                                                 for (_, r), (t, src) in zip(reqs, drafts)])
+        else:
+            (source,) = self.priors
+            lengths = self.choose(len(indices), [(self._alpha(r, source), k)
+                                                 for (_, r), k in zip(reqs, limits)])
+            chosen = [(j, r) for j, r in enumerate(reqs) if lengths[j]]
+            drafts = [([], source)] * len(reqs)
+            for (j, _), d in zip(chosen, self.drafter.propose([r for _, (_, r) in chosen],
+                                                              [lengths[j] for j, _ in chosen])):
+                drafts[j] = d
+        lengths = [min(k, len(t)) for k, (t, _) in zip(lengths, drafts)]
+        total = sum(lengths)
+        if total == 0 or self.cache.allocator.available < total:
+            return  # drafts never evict cached prefixes or retract requests
+        slots = self.cache.alloc(total)
+        at = 0
+        for (i, req), (tokens, source), k in zip(reqs, drafts, lengths):
+            if k == 0:
+                continue
+            self.req_to_slot.write(req.row, req.kv_len + 1, slots[at:at + k])
+            at += k
+            plan.counts[i] = 1 + k
+            plan.drafts[i] = (tokens[:k], source)
+
+    def _alpha(self, req: Request, source: str) -> float:
+        prior = self.sources[source].alpha(self.priors[source], PRIOR_WEIGHT)
+        return req.spec_state.rate.alpha(prior, PRIOR_WEIGHT)
+
+    def choose(self, decodes: int, cands: list[tuple[float, int]]) -> list[int]:
+        """Draft lengths for candidates (alpha, most drafts) in a step of `decodes` decodes."""
+        lengths = [0] * len(cands)
+        if not cands or self.cost.steps == 0:
+            return lengths  # no measured step yet: nothing to weigh drafts against
+        tokens, rows, speculating = float(decodes), 0, 0
+        time = self.cost.predict(decodes, 0, 0)
+        heap = [(-alpha, j) for j, (alpha, _) in enumerate(cands)]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, j = heapq.heappop(heap)
+            more = speculating + (lengths[j] == 0)
+            new_time = self.cost.predict(decodes, rows + 1, more)
+            if new_time <= 0 or (tokens - neg_gain) / new_time <= tokens / time:
+                break
+            lengths[j] += 1
+            tokens, rows, speculating, time = tokens - neg_gain, rows + 1, more, new_time
+            alpha, most = cands[j]
+            if lengths[j] < most:
+                heapq.heappush(heap, (-alpha ** (lengths[j] + 1), j))
+        return lengths
+
+    # ---- booking ----
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """A step's time, for the cost fit (decode-only steps: every row a decode or a draft)."""
+        if plan.decodes and plan.decodes == len(plan.reqs):
+            draft_rows = sum(plan.counts) - plan.decodes
+            self.cost.observe(plan.decodes, draft_rows, len(plan.drafts), seconds)
+
+    def book(self, req: Request, source: str, proposed: int, accepted: int) -> None:
+        self.counters.proposed += proposed
+        self.counters.accepted += accepted
+        self.counters.verified += 1
+        req.spec_state.rate.book(accepted, proposed)
+        self.sources[source].book(accepted, proposed, SOURCE_DECAY)
+
+    def release(self, req: Request) -> None:
+        self.drafter.release(req)
+
+    def free_unused(self, req: Request, end: int) -> None:
+        """Gives back the slots at positions [req.kv_len, end) of req's row: drafts that were
+        rejected (or accepted past a stop), whose KV no token holds."""
+        if end > req.kv_len:
+            self.cache.free(self.req_to_slot.read(req.row, end, req.kv_len).to(torch.int64))
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        return {"spec_proposed": c.proposed, "spec_accepted": c.accepted, "spec_steps": c.verified,
+                "spec_acceptance_rate": c.accepted / c.proposed if c.proposed else 0.0,
+                "spec_mean_accepted": c.accepted / c.verified if c.verified else 0.0}
+
+
+def make_speculation(config, cache: RadixCache, req_to_slot: ReqToSlot, max_context: int,
+                     target=None) -> Speculation | None:
+    """The engine's Speculation for `config.speculative`, or None when it is off. `target`: the
+    target's ModelRunner, whose device, dtype, pool sizes and vocabulary a draft model follows
+    (see DraftModelDrafter.for_engine; without it they come from `config`, vocabulary unchecked)."""
+    if config.speculative == "none":
+        return None
+    if config.speculative == "ngram":
+        drafter = NgramDrafter(cache.tree if cache.enabled else None)
+    elif config.speculative.startswith("draft:") and len(config.speculative) > len("draft:"):
+        from stemma.speculative.draft_model import DraftModelDrafter  # loads a model: on demand
+        drafter = DraftModelDrafter.for_engine(config.speculative[len("draft:"):], config,
+                                               max_context, target)
+    else:
+        raise ValueError(f"speculative must be none, ngram or draft:<model path>, got "
+                         f"{config.speculative!r}")
+    return Speculation(drafter, config.speculative_max_tokens, max_context, cache, req_to_slot)

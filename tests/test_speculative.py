@@ -1,0 +1,213 @@
+"""Speculative decoding: n-gram drafts verified inside the continuous batch.
+
+Greedy and seeded outputs must be token-identical with speculation on and off in every engine
+setting (the invariance suite of test_engine, in fp32), unseeded sampling must keep the target
+distribution (a chi-square test), and the KV pool must be whole after every run. In the engine
+tests drafts are forced to their longest (`force_drafts`), so every proposal is verified whatever
+the step-cost model would choose; the choice itself is tested on its own.
+"""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from stemma import SamplingParams
+from stemma.cache.radix_tree import RadixTree
+from stemma.speculative.cost import StepCost
+from stemma.speculative.ngram import NgramIndex
+from stemma.speculative.speculation import Speculation
+from stemma.speculative.verify import accepted
+from tests.test_engine import CASES, GREEDY, finish_clean, folder, make  # noqa: F401 (folder: a fixture)
+
+P_VALUE = 0.001  # the chi-square test fails below this
+
+
+def repetitive_prompts(n=12, seed=1):
+    """Prompts that repeat a phrase, so n-gram drafts hit often; some share a prefix."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 96, (12,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        phrase = torch.randint(3, 96, (3 + i % 5,), generator=g).tolist()
+        body = phrase * (2 + i % 4) + torch.randint(3, 96, (i % 7,), generator=g).tolist()
+        out.append(shared + body if i % 3 == 0 else body)
+    return out
+
+
+def force_drafts(engine):
+    """Every proposal verified at its full length (the cost model is bypassed)."""
+    engine.spec.choose = lambda decodes, cands: [most for _, most in cands]
+    return engine
+
+
+@pytest.fixture(scope="module")
+def spec_reference(folder):  # noqa: F811
+    engine = make(folder)
+    ref = [engine.generate(p, GREEDY).token_ids for p in repetitive_prompts()]
+    finish_clean(engine)
+    return ref
+
+
+# ---------------------------------------------------------------- the pieces
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match():
+    idx = NgramIndex()
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert idx.lookup(tokens, 3) == [7, 5, 1]          # the latest "1 2 3" (4-grams don't match)
+    tokens += [7, 6]
+    assert idx.lookup(tokens, 4) == []                  # "7 6" never seen before
+    tokens += [1, 2]
+    assert idx.lookup(tokens, 2) == [3, 7]              # "6 1 2"? no; "1 2" last seen before "3 7"
+    assert NgramIndex().lookup([4, 4], 3) == []         # a suffix never matches itself
+    assert NgramIndex().lookup([4, 4, 4], 3) == [4]
+
+
+def test_tree_continuation_is_read_only_and_follows_the_most_hit_child():
+    tree = RadixTree()
+    slots = lambda n: torch.arange(n)  # noqa: E731
+    tree.insert((1, 2, 3, 4, 5), slots(5))
+    tree.insert((1, 2, 3, 8, 9), slots(5) + 10)
+    version, nodes = tree.version, len(list(tree.nodes()))
+    assert tree.continuation((1, 2), None, 3) == [3, 4, 5] or tree.continuation((1, 2), None, 3) == [3, 8, 9]
+    hit = tree.match_prefix((1, 2, 3, 8, 9)).node
+    tree.record_hit(hit)
+    assert tree.continuation((1, 2), None, 3) == [3, 8, 9]
+    assert tree.continuation((1, 2, 3, 4), None, 5) == [5]
+    assert tree.continuation((1, 7), None, 3) == [] and tree.continuation((5,), None, 3) == []
+    assert tree.continuation((1, 2), "other salt", 3) == []
+    assert tree.version == version and len(list(tree.nodes())) == nodes
+
+
+def test_accepted_keeps_drafts_up_to_the_first_mismatch_then_the_sampled_token():
+    assert accepted([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert accepted([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert accepted([4, 5, 6], [8, 5, 6, 7]) == [8]
+    assert accepted([], [3]) == [3]
+
+
+def test_step_cost_fit_recovers_the_machine_s_costs():
+    cost = StepCost()
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows, drafts = int(rng.integers(1, 64)), int(rng.integers(0, 40))
+        spec = min(drafts, int(rng.integers(0, 8)))
+        cost.observe(rows, drafts, spec, 0.030 + 0.001 * rows + 0.002 * drafts + 0.0005 * spec)
+    assert cost.coef() == pytest.approx([0.030, 0.001, 0.002, 0.0005], abs=2e-4)
+    assert cost.extra(1, 4, 1) == pytest.approx(0.0085, abs=5e-4)
+
+
+def spec_with_cost(a, b, c):
+    spec = Speculation.__new__(Speculation)
+    spec.cost = StepCost()
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        rows, drafts = int(rng.integers(1, 64)), int(rng.integers(0, 20))
+        spec.cost.observe(rows, drafts, min(drafts, 4), a + b * rows + c * drafts)
+    return spec
+
+
+def test_choose_drafts_long_when_rows_are_cheap_and_none_when_compute_bound():
+    cheap = spec_with_cost(0.030, 0.001, 0.001)        # a bandwidth-bound step: weights dominate
+    assert cheap.choose(1, [(0.9, 8)]) == [8]
+    assert cheap.choose(1, [(0.3, 8)])[0] in (1, 2)     # a poor drafter: a short draft at most
+    assert cheap.choose(1, [(0.9, 8), (0.2, 8)])[0] > cheap.choose(1, [(0.9, 8), (0.2, 8)])[1]
+    bound = spec_with_cost(0.005, 0.002, 0.002)         # every row costs what a token is worth
+    assert bound.choose(64, [(0.5, 8)] * 64) == [0] * 64
+    assert cheap.choose(1, []) == []
+
+
+# ---------------------------------------------------------------- the engine
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_invariance_with_speculation(folder, spec_reference, case):  # noqa: F811
+    engine = force_drafts(make(folder, speculative="ngram", **CASES[case]))
+    outs = engine.generate(repetitive_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == spec_reference
+    stats = engine.stats()
+    assert stats["spec_accepted"] > 0 and stats["spec_proposed"] > stats["spec_accepted"]
+    finish_clean(engine)
+
+
+def test_greedy_invariance_with_speculation_under_kv_pressure(folder, spec_reference):  # noqa: F811
+    need = sum(len(p) + GREEDY.max_new_tokens for p in repetitive_prompts())
+    engine = force_drafts(make(folder, speculative="ngram", kv_pool_tokens=need // 3,
+                               chunked_prefill_size=32, kv_reserve_ratio=0.0))
+    outs = engine.generate(repetitive_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == spec_reference
+    stats = engine.stats()
+    assert stats["retractions"] > 0 and stats["spec_accepted"] > 0
+    finish_clean(engine)
+
+
+def test_stops_logprobs_and_lengths_behave_as_without_speculation(folder):  # noqa: F811
+    prompts = repetitive_prompts()[:6]
+    off = make(folder)
+    ref = off.generate(prompts, GREEDY)
+    stop_ids = [r.token_ids[9] for r in ref]  # each stops at its 10th token (or sooner)
+    params = [GREEDY.replace(max_new_tokens=17, logprobs=True, top_logprobs=2, stop_token_ids=[t])
+              for t in stop_ids]
+    want = off.generate(prompts, params)
+    on = force_drafts(make(folder, speculative="ngram"))
+    got = on.generate(prompts, params)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert [[t for t, _ in pos] for pos in a.top_logprobs] == [[t for t, _ in pos] for pos in b.top_logprobs]
+        assert len(a.meta["itl"]) == len(a.token_ids) - 1
+    assert on.stats()["spec_accepted"] > 0
+    finish_clean(on)
+    finish_clean(off)
+
+
+def test_aborts_between_speculative_steps_keep_the_pool_whole(folder):  # noqa: F811
+    engine = force_drafts(make(folder, speculative="ngram"))
+    reqs = [r for p in repetitive_prompts() for r in engine.submit(p, GREEDY.replace(max_new_tokens=60))]
+    for step in range(40):
+        engine.step()
+        engine.check_pool_whole()
+        if step in (6, 12, 20):
+            for req in reqs[step % 5::4]:
+                engine.abort(req.rid)
+    engine.run_until_done(reqs)
+    assert engine.stats()["spec_accepted"] > 0
+    assert any(r.finish_reason == "abort" for r in reqs)
+    finish_clean(engine)
+
+
+def test_seeded_sampling_is_identical_with_speculation(folder):  # noqa: F811
+    prompts = repetitive_prompts()
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=100 + i, max_new_tokens=24, ignore_eos=True,
+                             repetition_penalty=1.1) for i in range(len(prompts))]
+    off = make(folder).generate(prompts, params)
+    engine = force_drafts(make(folder, speculative="ngram"))
+    on = engine.generate(prompts, params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert engine.stats()["spec_accepted"] > 0
+    finish_clean(engine)
+
+
+def test_unseeded_sampling_keeps_the_target_distribution(folder):  # noqa: F811
+    """The tokens at speculated positions: their distribution, spec on vs off, over many samples,
+    must not differ (chi-square test of homogeneity, p >= P_VALUE)."""
+    prompt = repetitive_prompts()[4]
+    params = SamplingParams(temperature=0.8, max_new_tokens=4, ignore_eos=True)
+
+    def sample(engine, rounds=10, batch=60):
+        out = []
+        for _ in range(rounds):
+            out += [o.token_ids for o in engine.generate([prompt] * batch, params)]
+        return out
+
+    on_engine = force_drafts(make(folder, speculative="ngram", random_seed=1, max_running_requests=64))
+    on = sample(on_engine)
+    off = sample(make(folder, random_seed=2, max_running_requests=64))
+    stats = on_engine.stats()
+    assert stats["spec_proposed"] > 500 and 0.1 < stats["spec_acceptance_rate"] < 0.95
+    for position in (1, 2, 3):
+        tokens = sorted({t[position] for t in on + off})
+        table = np.array([[sum(t[position] == tok for t in side) for tok in tokens] for side in (on, off)])
+        common = table[:, table.sum(0) >= 10]
+        rare = table[:, table.sum(0) < 10].sum(1, keepdims=True)
+        table = np.hstack([common, rare]) if rare.sum() else common
+        assert chi2_contingency(table).pvalue >= P_VALUE, (position, table)
+    finish_clean(on_engine)
