@@ -17,18 +17,23 @@ _LAZY = {
     "Client": ("stemma.client.sync", "Client"),
     "ServerError": ("stemma.client.core", "ServerError"),
     "Runtime": ("stemma.serve.runtime", "Runtime"),
-    # the frontend language
+    # the frontend language (with SGLang's names: `import stemma as sgl`, docs/from-sglang.md)
     **{name: ("stemma.lang", name) for name in (
         "function", "gen", "select", "fork", "system", "user", "assistant", "system_begin",
         "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
         "set_default_backend", "ProgramState", "ProgramError", "VariableNotGenerated",
-        "UnknownVariable", "StmSyntaxError", "BackendUnreachable", "Usage")},
+        "UnknownVariable", "StmSyntaxError", "BackendUnreachable", "Usage", "TokenUsage",
+        "gen_int", "gen_string", "image", "video", "global_config", "token_length_normalized",
+        "greedy_token_selection", "unconditional_likelihood_normalized", "tool")},
     "load": ("stemma.lang", "load"),
     "compile_text": ("stemma.lang", "compile_text"),
     "MockBackend": ("stemma.lang.backends.mock", "MockBackend"),
     "EngineBackend": ("stemma.lang.backends.engine", "EngineBackend"),
     "RemoteBackend": ("stemma.lang.backends.remote", "RemoteBackend"),
+    "RuntimeEndpoint": ("stemma.lang.backends.remote", "RuntimeEndpoint"),
     "OpenAIBackend": ("stemma.lang.backends.openai", "OpenAIBackend"),
+    **{name: ("stemma.lang.backends.openai", name) for name in (
+        "OpenAI", "Anthropic", "LiteLLM", "VertexAI")},
 }
 
 

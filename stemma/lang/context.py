@@ -50,3 +50,20 @@ def get_backend(value: BackendLike | None = None) -> Backend:
         from stemma.lang.backends.remote import embedded_default
         backend = embedded_default()
     return backend
+
+
+class GlobalConfig:
+    """SGLang's `sgl.global_config`: `default_backend` is the backend programs run on when none
+    is passed (reading it without one set starts the embedded default, as a run would); setting
+    it is set_default_backend. SGLang's other settings can be set and change nothing."""
+
+    @property
+    def default_backend(self) -> Backend:
+        return get_backend()
+
+    @default_backend.setter
+    def default_backend(self, value: BackendLike) -> None:
+        set_default_backend(value)
+
+
+global_config = GlobalConfig()

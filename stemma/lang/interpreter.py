@@ -1,17 +1,20 @@
 """The asyncio interpreter: one task per program state executes that state's nodes in order.
 
-    body (greenlet) ── s += node ──▶ StateExecutor.queue ──▶ task: execute node ──▶ backend
-                    ◀─ s["x"] waits ─┘ (await_only)
+    body (thread/greenlet) ── s += node ──▶ StateExecutor.queue ──▶ task: execute ──▶ backend
+                           ◀─ s["x"] waits ─┘ (await_only)
 
 `s += ...` only queues, so a body runs ahead of the model and a fork's branches all get their
-calls in flight at once; reading a variable waits for the nodes that write it. A state keeps the
-token ids of everything already sent (see codec.py): each call's prompt is those ids plus the text
+calls in flight at once; reading a variable waits for the nodes that write it. All of this runs
+on the run's event loop; a body on a worker thread (suspend.py) reaches it through the body-side
+methods (submit, fork, join), which post to the loop in order (Run.post). A state keeps the token
+ids of everything already sent (see codec.py): each call's prompt is those ids plus the text
 appended since, tokenized once. A fork first commits its parent's prompt to the cache (a request
 that generates nothing), then every branch starts from those ids.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeAlias
@@ -20,6 +23,7 @@ from stemma.lang.backends.base import Backend
 from stemma.lang.errors import RoleError, UnknownVariable, VariableNotGenerated
 from stemma.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, sets_variable
 from stemma.lang.scoring import decide
+from stemma.lang.suspend import post
 from stemma.lang.usage import CallRecord
 from stemma.sampling_params import SamplingParams
 
@@ -86,6 +90,20 @@ class Pulse:
         self._waiters.clear()
 
 
+@dataclass(eq=False)
+class ToolCall:
+    """One stemma.tool call of a program (tool.py): a pause of the program, not a model call.
+    Times are time.monotonic(); `ended` is None while the call runs."""
+    name: str
+    started: float
+    ended: float | None = None
+    failed: bool = False
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.ended is None else self.ended - self.started
+
+
 class Run:
     """The live states of one program run, on one event loop."""
 
@@ -93,6 +111,9 @@ class Run:
         self.config = config
         self.loop = loop
         self.executors: list[StateExecutor] = []
+        # the pause hints: every stemma.tool call of the program, in the order they started.
+        # Written by the body's thread (list appends, attribute sets), read on the loop.
+        self.tool_calls: list[ToolCall] = []
 
     def root(self) -> "StateExecutor":
         start = Snapshot(tuple(self.config.backend.codec.start_ids), "", {}, {}, (), None, 0)
@@ -102,6 +123,25 @@ class Run:
         executor = StateExecutor(self, origin)
         self.executors.append(executor)
         return executor
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Calls `fn(*args)` on the loop: now from the loop's own thread, else in order."""
+        post(self.loop, fn, *args)
+
+    # ---- pause hints ----
+    def tool_started(self, name: str) -> ToolCall:
+        call = ToolCall(name, time.monotonic())
+        self.tool_calls.append(call)
+        return call
+
+    def tool_ended(self, call: ToolCall, failed: bool = False) -> None:
+        call.failed = failed
+        call.ended = time.monotonic()
+
+    def in_tool(self) -> list[ToolCall]:
+        """The tool calls running now: while there is one, the program is paused in it (since
+        the earliest `started`), and sends the model nothing unless it forked."""
+        return [call for call in self.tool_calls if call.ended is None]
 
     async def settle(self) -> None:
         """Waits until every state has executed all it was given; raises the first failure."""
@@ -120,7 +160,9 @@ class Run:
 
 
 class StateExecutor:
-    def __init__(self, run: Run, origin: Snapshot | asyncio.Future):
+    def __init__(self, run: Run, origin: Snapshot | asyncio.Future | None):
+        """`origin`: where the state starts; None for a fork's branch made on a body's thread,
+        which the loop starts (_begin) when it reaches the fork."""
         self.run = run
         self.backend = run.config.backend
         self.codec = self.backend.codec
@@ -144,14 +186,40 @@ class StateExecutor:
         self._changed = Pulse()
         self._has_work = asyncio.Event()
         self._closed = False
-        self.task = run.loop.create_task(self._main(origin))
+        self.task: asyncio.Task | None = None
+        if origin is not None:
+            self._begin(origin)
 
-    # ---- the body's side ----
+    def _begin(self, origin: Snapshot | asyncio.Future) -> None:
+        self.task = self.run.loop.create_task(self._main(origin))
+
+    # ---- the body's side (any thread) ----
     def submit(self, node: Node) -> None:
+        self._check_open()
+        self.run.post(self._enqueue, node)
+
+    def _check_open(self) -> None:
         if self.error is not None:
             raise self.error
         if self._closed:
             raise RuntimeError("this program state has finished running; it cannot take more nodes")
+
+    def fork(self, n: int) -> list["StateExecutor"]:
+        self._check_open()
+        branches = [StateExecutor(self.run, None) for _ in range(n)]
+        self.run.post(self._fork_now, branches)
+        return branches
+
+    def join(self, branches: list["StateExecutor"]) -> None:
+        self._check_open()
+        self.run.post(self._join_now, branches)
+
+    # ---- the same, on the loop ----
+    def _enqueue(self, node: Node) -> bool:
+        """Queues `node`; False when this state has failed or finished (a body on a thread may
+        have sent it just then: its next read, or the run's end, raises the error)."""
+        if self.error is not None or self._closed:
+            return False
         name = sets_variable(node)
         if name is not None:
             self._expected[name] += 1
@@ -160,6 +228,24 @@ class StateExecutor:
         self._queue.append(node)
         self.busy += 1
         self._has_work.set()
+        return True
+
+    def _fork_now(self, branches: list["StateExecutor"]) -> None:
+        future = self.run.loop.create_future()
+        if not self._enqueue(ForkPoint(future)):
+            future.set_exception(self.error or RuntimeError("the program state has finished"))
+        for branch in branches:
+            branch._begin(future)
+        self.run.executors.extend(branches)
+        self.children.extend(branches)
+
+    def _join_now(self, branches: list["StateExecutor"]) -> None:
+        names: list[str] = []
+        for branch in branches:
+            for name in [*branch.own, *branch._expected]:
+                if name not in names and (name in branch.own or branch._expected[name] > 0):
+                    names.append(name)
+        self._enqueue(JoinPoint(tuple(branches), tuple(names)))
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         while not ready():
@@ -222,7 +308,8 @@ class StateExecutor:
 
     def close(self) -> None:
         self._closed = True
-        self.task.cancel()
+        if self.task is not None:
+            self.task.cancel()
         self._end_streams()
 
     # ---- streaming ----
@@ -380,20 +467,3 @@ class StateExecutor:
         for name in node.names:
             values = [branch.vars.get(name) for branch in node.branches]
             self._set(name, values, None)
-
-    # ---- forks ----
-    def fork(self, n: int) -> list["StateExecutor"]:
-        future = self.run.loop.create_future()
-        self.submit(ForkPoint(future))
-        branches = [self.run.spawn(future) for _ in range(n)]
-        self.children.extend(branches)
-        return branches
-
-    def join(self, branches: list["StateExecutor"]) -> None:
-        names: list[str] = []
-        for branch in branches:
-            for name in [*branch.own, *branch._expected]:
-                if name not in names and (name in branch.own or branch._expected[name] > 0):
-                    names.append(name)
-        self.submit(JoinPoint(tuple(branches), tuple(names)))
-

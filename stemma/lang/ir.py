@@ -21,6 +21,16 @@ from typing import Any, Iterator, Mapping, TypeAlias
 
 ROLES = ("system", "user", "assistant")
 
+# What gen(dtype=...), gen_int and gen_string constrain a value to (SGLang exports the same names
+# from sglang.lang.ir). Numbers are JSON numbers, so a value goes into JSON as it is, with at most
+# 18 digits before the point (an int64) and 15 after it: a model that would rather add digits
+# than end the number (small models do) still ends it, and a space or newline after it ends the
+# gen at once. A string is a JSON string without escapes.
+REGEX_INT = r"-?(0|[1-9][0-9]{0,17})[ \n]?"
+REGEX_FLOAT = r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,15})?([eE][-+]?[0-9]{1,3})?[ \n]?"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r'"[^"\\\x00-\x1f]*"'
+
 
 @dataclass(frozen=True)
 class Where:

@@ -1,20 +1,72 @@
 """ProgramState: the `s` a program appends to, and what a run returns.
 
-Inside a running body, reads (`s["x"]`, `s.text()`) wait for the model without blocking the
-thread (see suspend.py). After a run they return at once. A state from `f.run(stream=True)` runs
+Inside a running body, reads (`s["x"]`, `s.text()`) wait for the model (see suspend.py). After a run they return at once. A state from `f.run(stream=True)` runs
 on its own event loop, which iterating `text_iter()` (or any read) drives.
+
+SGLang's state API is here too: role scopes (`with s.user(): ...`), `s.var_scope(name)`,
+`s[name] = value`, `sync()`, `text_iter(var_name)`, and on a fork group `forks += lambda i: ...`,
+`forks[i] += ...` and `join(mode="concate_and_append")`. Some of them wait, in the body, for
+what the state was given before them to be executed, so the body does not run ahead there:
+  - var_scope, at its start and its end: the variable is the text appended in between;
+  - `s[name] = value`, so that it lands after what came before it;
+  - join(mode="concate_and_append"): it needs the branches' text;
+  - in a streamed run (stream=True), each gen and select of the root state: a mark goes into the
+    stream before its text, which is how text_iter(var_name) finds where a variable's text starts.
+The root's calls run one after another anyway; only the body's running ahead (to queue what
+comes after) is given up there.
 """
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
+from stemma.lang.errors import ProgramError
 from stemma.lang.interpreter import Meta, Run, RunConfig, StateExecutor, Value
-from stemma.lang.ir import Content, as_node
+from stemma.lang.ir import Concat, Content, Gen, Node, RoleBegin, RoleEnd, Select, as_node
 from stemma.lang.suspend import await_only, in_body, run_body, run_now
 from stemma.lang.usage import CallRecord, Usage
+from stemma.outputs import RequestOutput
 
 T = TypeVar("T")
+
+JOIN_MODES = ("gather_variable", "concate_and_append")  # SGLang's names (sic: "concate")
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """In a streamed state's queue, before the text of a variable: `kind` "var" (a gen or select;
+    it ends at the next mark or at appended text), "begin" / "end" (a var_scope)."""
+    kind: str
+    name: str | None
+
+
+class _Follow:
+    """Reads one variable's deltas out of a stream: feed items in order; each gives (delta to
+    yield or None, finished, give the item back for the next reader)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.found = False
+        self.scope = False
+
+    def feed(self, item: Any) -> tuple[str | None, bool, bool]:
+        if isinstance(item, _Mark):
+            if not self.found:
+                if item.name == self.name and item.kind in ("var", "begin"):
+                    self.found, self.scope = True, item.kind == "begin"
+                return None, False, False
+            if self.scope:
+                return None, item.kind == "end" and item.name == self.name, False
+            return None, True, True            # the next gen or select: this one has ended
+        generated, delta = item
+        if not self.found:
+            return None, False, False
+        if self.scope or generated:
+            return delta, False, False
+        return None, True, True                # text appended after it: it has ended
 
 
 class ProgramState:
@@ -22,14 +74,71 @@ class ProgramState:
         self._ex = executor
         self._task: asyncio.Task | None = None          # the run, while it may still be going
         self._loop = loop                               # the run's own loop (f.run), if any
-        self._stream: asyncio.Queue | None = None
+        self._stream: asyncio.Queue | None = None       # stream=True: what the run appends
+        self._held: deque = deque()                     # stream items read ahead, given back
+        self._seen: set[str | None] = set()             # variables whose marks were read
+        self._submitted = 0                             # nodes given (fork/join count too)
         self.return_value: Any = None
 
     # ---- appending ----
     def __iadd__(self, value: Content) -> "ProgramState":
         for node in as_node(value).flatten():
+            if self._stream is not None and isinstance(node, (Gen, Select)) and in_body():
+                self._mark("var", node.name)
             self._ex.submit(node)
+            self._submitted += 1
         return self
+
+    def _mark(self, kind: str, name: str | None) -> None:
+        """Puts a mark in the stream once everything before it has been executed."""
+        self._wait(self._marked(kind, name))
+
+    # These run on the run's loop (the body may be on a thread of its own, see suspend.py), each
+    # once what the state was given before has been executed.
+    async def _marked(self, kind: str, name: str | None) -> int:
+        await self._ex.idle()
+        if self._stream is not None:
+            self._stream.put_nowait(_Mark(kind, name))
+        return len(self._ex.text)
+
+    async def _scoped(self, name: str, start: int) -> None:
+        await self._ex.idle()
+        self._ex._set(name, self._ex.text[start:], None)
+        if self._stream is not None:
+            self._stream.put_nowait(_Mark("end", name))
+
+    async def _assigned(self, name: str, value: Any) -> None:
+        await self._ex.idle()
+        self._ex._set(name, value, None)
+
+    # ---- roles and scopes (SGLang's state methods) ----
+    def system(self, content: Content | None = None):
+        """`s.system(text)` appends a system turn; `with s.system(): ...` wraps what the block
+        appends in one."""
+        return self._role("system", content)
+
+    def user(self, content: Content | None = None):
+        return self._role("user", content)
+
+    def assistant(self, content: Content | None = None):
+        return self._role("assistant", content)
+
+    def _role(self, role: str, content: Content | None):
+        if content is None:
+            return _role_scope(self, role)
+        self += Concat((RoleBegin(role), as_node(content), RoleEnd(role)))
+        return None
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """`with s.var_scope("x"): ...`: variable x is all the text the block appends (text,
+        generated, selected, role markup). It waits for what came before at its start, and for
+        what the block appended at its end."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"var_scope: a variable name must be an identifier, got {name!r}")
+        start = self._wait(self._marked("begin", name))
+        yield
+        self._wait(self._scoped(name, start))
 
     # ---- reading ----
     def _wait(self, awaitable: Awaitable[T]) -> T:
@@ -42,6 +151,27 @@ class ProgramState:
     def __getitem__(self, name: str) -> Value:
         """The value of variable `name`; a join makes it the list of the branches' values."""
         return self._wait(self._ex.get(name))
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """Sets variable `name` (SGLang's `s[name] = value`, `set_var`), once what the state was
+        given before has been executed; its meta is None."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a variable name must be a non-empty string, got {name!r}")
+        self._wait(self._assigned(name, value))
+
+    def get_var(self, name: str) -> Value:
+        return self[name]
+
+    def set_var(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def get_meta_info(self, name: str) -> dict[str, Any] | Meta:
+        """SGLang's name for meta(): a gen's as a dict (prompt_tokens, cached_tokens,
+        completion_tokens, finish_reason, ...), a select's SelectResult."""
+        meta = self.meta(name)
+        if isinstance(meta, RequestOutput):
+            return {**meta.meta, "finish_reason": meta.finish_reason}
+        return meta
 
     def get(self, name: str, default: T | None = None) -> Value | T | None:
         try:
@@ -86,12 +216,25 @@ class ProgramState:
         return _usage(self._ex)
 
     # ---- forks ----
-    def fork(self, n: int) -> "ForkGroup":
+    def fork(self, n: int = 1, *, size: int | None = None) -> "ForkGroup":
         """n states that start from this one's text and ids; its prefix is committed to the cache
-        once, before they start."""
+        once, before they start. (`size`: SGLang's name for n.)"""
+        if size is not None:
+            n = size
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"fork needs a count >= 1, got {n!r}")
-        return ForkGroup(self, [ProgramState(e, self._loop) for e in self._ex.fork(n)])
+        branches = [ProgramState(e, self._loop) for e in self._ex.fork(n)]
+        self._submitted += 1
+        return ForkGroup(self, branches)
+
+    @contextmanager
+    def copy(self) -> Iterator["ProgramState"]:
+        """`with s.copy() as c: ...`: a fork of one, joined (its variables gathered) at the end."""
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
 
     # ---- a run that may still be going ----
     def wait(self) -> "ProgramState":
@@ -112,36 +255,128 @@ class ProgramState:
             await self._task
         return self
 
-    def _take_stream(self, how: str) -> asyncio.Queue:
+    def sync(self) -> "ProgramState":
+        """SGLang's sync(): waits until everything the state was given has been executed (in a
+        body), or runs the program to its end (a state from a run, streamed or not)."""
+        if in_body():
+            self._wait(self._ex.idle())
+            return self
+        return self.wait()
+
+    def error(self) -> BaseException | None:
+        """The error the program stopped with, or None (SGLang's error())."""
+        try:
+            self.sync()
+        except Exception as exc:
+            return exc
+        return self._ex.error
+
+    # ---- streaming ----
+    def _read(self) -> Any:
+        """The next stream item (a (generated, delta) pair, a _Mark, or None at the end)."""
+        if self._held:
+            return self._held.popleft()
+        if self._loop is None or self._loop.is_closed():  # the run is over: what it left
+            try:
+                return self._stream.get_nowait()
+            except asyncio.QueueEmpty:
+                return None
+        return self._loop.run_until_complete(self._stream.get())
+
+    async def _aread(self) -> Any:
+        if self._held:
+            return self._held.popleft()
+        return await self._stream.get()
+
+    def _give_back(self, item: Any) -> None:
+        self._held.appendleft(item)
+
+    def text_iter(self, var_name: str | None = None, generated_only: bool = False) -> Iterator[str]:
+        """Text deltas as the program appends and generates them (f.run(stream=True)).
+
+        `var_name`: only that variable's deltas (a gen's or select's, or a var_scope's), as they
+        are generated. The iteration ends after the variable, once the program has run to its
+        end (so no body is left waiting); what it appended after the variable stays queued, so
+        `text_iter("a")` then `text_iter("b")` give a's deltas, then b's (b's at once).
+        Without it, everything, to the program's end; `generated_only` keeps what gen and select
+        add. A state from a run without stream=True gives the whole text (or the variable) at
+        once, as SGLang does."""
+        if isinstance(var_name, bool):  # stemma's text_iter(generated_only) before var_name came
+            var_name, generated_only = None, var_name
         if self._stream is None:
-            raise RuntimeError(f"{how} needs a state from a run with stream=True, read once")
-        queue, self._stream = self._stream, None
-        return queue
-
-    def text_iter(self, generated_only: bool = False) -> Iterator[str]:
-        """Text deltas as the program appends and generates them (f.run(stream=True));
-        `generated_only` keeps what gen and select add."""
+            yield self.text() if var_name is None else self[var_name]
+            return
         if self._loop is None:
-            raise RuntimeError("text_iter needs a state from f.run(..., stream=True)")
-        queue = self._take_stream("text_iter")
-        while not self._loop.is_closed():
-            item = self._loop.run_until_complete(queue.get())
-            if item is None:
-                break
-            if item[0] or not generated_only:
-                yield item[1]
+            raise RuntimeError("this state streams in a running event loop: iterate "
+                               "`state.text_aiter()` (async for)")
+        if var_name is None:
+            while (item := self._read()) is not None:
+                if _shown(item, generated_only, self._seen):
+                    yield item[1]
+            self._held.append(None)
+            self.wait()
+            return
+        if var_name not in self._seen:
+            follow = _Follow(var_name)
+            while (item := self._read()) is not None:
+                delta, finished, give_back = follow.feed(item)
+                _saw(item, give_back, self._seen)
+                if delta:
+                    yield delta
+                if finished:
+                    if give_back:
+                        self._give_back(item)
+                    break
+            else:
+                self._held.append(None)
+            if follow.found:
+                self.wait()  # the rest of the program runs; its text stays queued
+                return
         self.wait()
+        yield self[var_name]  # gone by before this iteration (or never streamed): at once
 
-    async def text_aiter(self, generated_only: bool = False) -> AsyncIterator[str]:
+    async def text_aiter(self, var_name: str | None = None,
+                         generated_only: bool = False) -> AsyncIterator[str]:
         """The async form of text_iter (f.run_async(..., stream=True))."""
-        queue = self._take_stream("text_aiter")
-        while True:
-            item = await queue.get()
-            if item is None:
-                break
-            if item[0] or not generated_only:
-                yield item[1]
+        if isinstance(var_name, bool):
+            var_name, generated_only = None, var_name
+        if self._stream is None:
+            await self.wait_async()
+            yield self.text() if var_name is None else self[var_name]
+            return
+        if var_name is None:
+            while (item := await self._aread()) is not None:
+                if _shown(item, generated_only, self._seen):
+                    yield item[1]
+            self._held.append(None)
+            await self.wait_async()
+            return
+        if var_name not in self._seen:
+            follow = _Follow(var_name)
+            while (item := await self._aread()) is not None:
+                delta, finished, give_back = follow.feed(item)
+                _saw(item, give_back, self._seen)
+                if delta:
+                    yield delta
+                if finished:
+                    if give_back:
+                        self._give_back(item)
+                    break
+            else:
+                self._held.append(None)
+            if follow.found:
+                await self.wait_async()
+                return
         await self.wait_async()
+        yield self[var_name]
+
+    def text_async_iter(self, var_name: str | None = None,
+                        return_meta_data: bool = False) -> AsyncIterator[str]:
+        """SGLang's name for text_aiter."""
+        if return_meta_data:
+            raise NotImplementedError("text_async_iter(return_meta_data=True) is not supported: "
+                                      "read state.get_meta_info(name) once the variable is done")
+        return self.text_aiter(var_name)
 
     def cancel(self) -> None:
         """Stops a program that is still running (its requests are aborted)."""
@@ -162,23 +397,99 @@ class ForkGroup(Sequence[ProgramState]):
     def __init__(self, parent: ProgramState, branches: list[ProgramState]):
         self.parent = parent
         self.branches = branches
+        self._parent_at = parent._submitted  # what the parent had been given at the fork
+
+    @property
+    def states(self) -> list[ProgramState]:
+        """SGLang's name for the branches."""
+        return self.branches
 
     def __getitem__(self, i):
         return self.branches[i]
 
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        """What `forks[i] += ...` stores back: branch i itself (it cannot be replaced)."""
+        if value is not self.branches[i]:
+            raise TypeError("a fork's branch cannot be replaced; `forks[i] += ...` appends to it")
+
     def __len__(self) -> int:
         return len(self.branches)
 
-    def __iadd__(self, value: Content) -> "ForkGroup":
-        """Appends the same thing to every branch."""
-        for branch in self.branches:
-            branch += value
+    def __iadd__(self, value: Content | Sequence[Content] | Callable[[int], Content]) -> "ForkGroup":
+        """Appends to every branch: the same text or expression; `lambda i: ...`, what it returns
+        for branch i; a list, its i-th item to branch i."""
+        if callable(value) and not isinstance(value, Node):
+            for i, branch in enumerate(self.branches):
+                branch += value(i)
+        elif isinstance(value, (list, tuple)):
+            if len(value) != len(self.branches):
+                raise ValueError(f"appending a list to a fork of {len(self.branches)} needs one item "
+                                 f"per branch, got {len(value)}")
+            for branch, item in zip(self.branches, value):
+                branch += item
+        else:
+            for branch in self.branches:
+                branch += value
         return self
 
-    def join(self) -> None:
-        """Once every branch is done, sets each variable the branches wrote in the parent, as the
-        list of the branches' values (None for a branch that did not write it)."""
-        self.parent._ex.join([b._ex for b in self.branches])
+    def join(self, mode: str = "gather_variable") -> None:
+        """`gather_variable` (the default): once every branch is done, sets each variable the
+        branches wrote in the parent, as the list of the branches' values (None for a branch that
+        did not write it). `concate_and_append`: appends the text each branch added after the
+        fork to the parent, branch after branch; the parent must not have been appended to since
+        the fork. Its prefix is in the cache already (the fork committed it), and the parent's
+        next call sends the branches' text as its own."""
+        if mode == "gather_variable":
+            self.parent._ex.join([b._ex for b in self.branches])
+            self.parent._submitted += 1
+        elif mode == "concate_and_append":
+            self._concatenate()
+        else:
+            raise ValueError(f"join mode must be one of {', '.join(JOIN_MODES)}, got {mode!r}")
+
+    def _concatenate(self) -> None:
+        parent = self.parent
+        if parent._submitted != self._parent_at:
+            raise ProgramError("join(mode='concate_and_append') appends the branches' text where "
+                               "they forked, so the parent cannot be appended to between the fork "
+                               "and this join; append after the join")
+        parent += parent._wait(self._branch_texts())
+
+    async def _branch_texts(self) -> str:
+        """On the loop: what the branches appended after the fork, once they are done."""
+        for branch in self.branches:
+            await branch._ex.idle()
+        await self.parent._ex.idle()
+        base = self.parent._ex.text
+        parts = []
+        for branch in self.branches:
+            text = branch._ex.text
+            if not text.startswith(base):
+                raise ProgramError("a branch's text does not start with its parent's; was the "
+                                   "parent appended to after the fork?")
+            parts.append(text[len(base):])
+        return "".join(parts)
+
+
+def _saw(item: Any, given_back: bool, seen: set[str | None]) -> None:
+    """Notes a mark read for good: its variable's text has gone by."""
+    if isinstance(item, _Mark) and not given_back:
+        seen.add(item.name)
+
+
+def _shown(item: Any, generated_only: bool, seen: set[str | None]) -> bool:
+    """Whether text_iter() yields `item` (marks are only noted)."""
+    if isinstance(item, _Mark):
+        seen.add(item.name)
+        return False
+    return item[0] or not generated_only
+
+
+@contextmanager
+def _role_scope(state: ProgramState, role: str) -> Iterator[None]:
+    state += RoleBegin(role)
+    yield
+    state += RoleEnd(role)
 
 
 def start(body: Callable[..., Any], args: tuple, kwargs: dict, config: RunConfig,

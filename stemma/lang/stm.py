@@ -263,6 +263,9 @@ class TextFunction(Function):
     def placeholders(self) -> dict[str, Placeholder]:
         return {var: Placeholder(var) for var in self.arguments}
 
+    def parameter_names(self) -> frozenset[str]:
+        return frozenset(self.arguments)
+
 
 def compile_text(source: str, name: str = "<text>") -> TextFunction:
     """A runnable program from .stm source."""

@@ -8,11 +8,13 @@ prefix once, so every program of the batch finds it in the cache.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from stemma.lang.chat_template import ChatTemplate
-from stemma.lang.ir import Content, Node, RoleBegin, RoleEnd, Text, as_node
+from stemma.lang.ir import Concat, Content, Node, RoleBegin, RoleEnd, Text, as_node
+from stemma.lang.tool import tracing
 
 
 class StopTracing(Exception):
@@ -58,6 +60,32 @@ class TracingState:
             self.nodes.append(node)
         return self
 
+    # SGLang's role scopes and var_scope append constant nodes (or none) and are traced through
+    def system(self, content: Content | None = None):
+        return self._role("system", content)
+
+    def user(self, content: Content | None = None):
+        return self._role("user", content)
+
+    def assistant(self, content: Content | None = None):
+        return self._role("assistant", content)
+
+    def _role(self, role: str, content: Content | None):
+        if content is None:
+            return self._role_scope(role)
+        self += Concat((RoleBegin(role), as_node(content), RoleEnd(role)))
+        return None
+
+    @contextmanager
+    def _role_scope(self, role: str) -> Iterator[None]:
+        self += RoleBegin(role)
+        yield
+        self += RoleEnd(role)
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        yield
+
     def __getattr__(self, name: str):
         raise StopTracing(f"state.{name} is not constant")
 
@@ -93,7 +121,13 @@ def trace(body: Callable[..., Any], args: dict[str, Any] | None = None) -> Trace
     """The constant prefix of `body` called with `args` (placeholders for all by default)."""
     state = TracingState()
     try:
-        body(state, **(placeholders(body) if args is None else args))
+        with tracing():  # a stemma.tool call ends the trace instead of running
+            result = body(state, **(placeholders(body) if args is None else args))
+            if inspect.iscoroutine(result):  # an async body: run it up to its first real await
+                try:
+                    result.send(None)
+                finally:
+                    result.close()
     except Exception:  # StopTracing, or another failure caused by a placeholder: either way the
         pass           # prefix ends here, and a real error is raised by the real run
     return Trace(tuple(state.nodes))

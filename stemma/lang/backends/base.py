@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -19,7 +20,37 @@ from stemma.sampling_params import SamplingParams
 OnText = Callable[[str], None]
 
 
+@dataclass
+class TokenUsage:
+    """What a backend's requests have cost since it was made (or since `reset()`): every request,
+    from every program, generations, selects' scoring and prefills alike. SGLang's
+    `backend.token_usage`, with stemma's `cached_tokens` (prompt tokens the prefix cache served)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    requests: int = 0
+
+    def add(self, meta: dict[str, Any]) -> None:
+        """Counts one request from its output's meta."""
+        self.prompt_tokens += int(meta.get("prompt_tokens") or 0)
+        self.completion_tokens += int(meta.get("completion_tokens") or 0)
+        self.cached_tokens += int(meta.get("cached_tokens") or 0)
+        self.requests += 1
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = self.requests = 0
+
+
 class Backend(ABC):
+    # whether the server keeps a prompt's KV for the next call that extends it (stemma's radix
+    # cache does); without it, @function(num_api_spec_tokens=N) speculates (see speculative.py)
+    reuses_prefix: bool = True
+
+    @cached_property
+    def token_usage(self) -> TokenUsage:
+        """The token counts of this backend's requests; each backend adds every output's meta."""
+        return TokenUsage()
+
     @property
     @abstractmethod
     def codec(self) -> TokenCodec:

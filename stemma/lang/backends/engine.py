@@ -95,8 +95,10 @@ class EngineBackend(Backend):
             tail = waiter.published.finish()
             if tail:
                 waiter.on_text(tail)
+        output = self.engine.output(req)
+        self.token_usage.add(output.meta)
         if not waiter.future.done():
-            waiter.future.set_result(self.engine.output(req))
+            waiter.future.set_result(output)
 
     async def _wait(self, futures: list[asyncio.Future]) -> list[RequestOutput]:
         try:

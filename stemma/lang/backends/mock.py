@@ -120,10 +120,11 @@ class MockBackend(Backend):
         if params.logprob_start is not None:
             prompt_logprobs = [None if pos == 0 else mock_logprob(ids[:pos], ids[pos])
                                for pos in range(params.logprob_start, len(ids))]
+        meta = {"prompt_tokens": len(ids), "cached_tokens": cached, "completion_tokens": len(out_ids)}
+        self.token_usage.add(meta)
         return RequestOutput(
             rid=f"mock-{len(self.calls)}", text=text, token_ids=out_ids, finish_reason=reason,
-            prompt_logprobs=prompt_logprobs,
-            meta={"prompt_tokens": len(ids), "cached_tokens": cached, "completion_tokens": len(out_ids)})
+            prompt_logprobs=prompt_logprobs, meta=meta)
 
     async def generate(self, ids: list[int], params: SamplingParams,
                        on_text: OnText | None = None) -> RequestOutput:

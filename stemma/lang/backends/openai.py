@@ -152,6 +152,8 @@ class OpenAIBackend(Backend):
     engine counters to read).
     """
 
+    reuses_prefix = False  # each request sends its whole prompt: num_api_spec_tokens speculates
+
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  mode: str = "auto", *, tokenizer: PreTrainedTokenizerBase | str | None = None,
                  dialect: str = "openai", timeout: float | None = 600.0):
@@ -411,6 +413,7 @@ class OpenAIBackend(Backend):
         self.counters["prompt_tokens"] += meta["prompt_tokens"]
         self.counters["cached_tokens"] += meta["cached_tokens"]
         self.counters["generated_tokens"] += meta["completion_tokens"]
+        self.token_usage.add(meta)
         return meta
 
     async def _run(self, path: str, body: dict[str, Any], chat: bool,
@@ -589,3 +592,31 @@ def _output(text: str, ids: list[int], reason: str | None, meta: dict[str, Any],
             prompt_logprobs: list[float | None] | None = None) -> RequestOutput:
     return RequestOutput(rid="", text=text, token_ids=ids, finish_reason=reason, logprobs=logprobs,
                          prompt_logprobs=prompt_logprobs, meta=meta)
+
+
+def OpenAI(model_name: str, is_chat_model: bool | None = None, *, base_url: str | None = None,
+           api_key: str | None = None, **options: Any) -> OpenAIBackend:
+    """SGLang's `sgl.OpenAI(model_name)`: an OpenAIBackend on OpenAI's API (or `base_url`;
+    OPENAI_BASE_URL, OPENAI_API_KEY as the openai package reads them). `is_chat_model`: True sends
+    gens to chat completions, False to completions, None decides per gen (mode "auto").
+    `options`: OpenAIBackend's (tokenizer=, dialect=, timeout=)."""
+    import os
+    url = base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
+    mode = "auto" if is_chat_model is None else ("chat" if is_chat_model else "completions")
+    return OpenAIBackend(url, model_name, api_key or os.environ.get("OPENAI_API_KEY"), mode, **options)
+
+
+def _vendor(name: str):
+    def unsupported(*args: Any, **kwargs: Any):
+        raise NotImplementedError(
+            f"sgl.{name} is not provided: stemma speaks OpenAI's API (stemma.OpenAIBackend, "
+            f"stemma.OpenAI) and its own; put {name}'s models behind an OpenAI-compatible gateway "
+            f"and use OpenAIBackend(base_url, model)")
+    unsupported.__name__ = name
+    unsupported.__doc__ = f"SGLang's {name} backend: not provided (NotImplementedError)."
+    return unsupported
+
+
+Anthropic = _vendor("Anthropic")
+LiteLLM = _vendor("LiteLLM")
+VertexAI = _vendor("VertexAI")

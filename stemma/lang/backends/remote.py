@@ -68,22 +68,39 @@ class RemoteBackend(Backend):
                        on_text: OnText | None = None) -> RequestOutput:
         try:
             if on_text is None:
-                return await self.client.agenerate(ids, params)
-            stream = self.client.astream(ids, params)
-            async for delta in stream:
-                on_text(delta)
-            return stream.output
+                output = await self.client.agenerate(ids, params)
+            else:
+                stream = self.client.astream(ids, params)
+                async for delta in stream:
+                    on_text(delta)
+                output = stream.output
         except ServerError as exc:
             error = self._wrap(exc)
             if error is exc:
                 raise
             raise error from exc
+        self.token_usage.add(output.meta)
+        return output
 
     async def stats(self) -> dict[str, Any]:
         return (await self.client.ainfo(timeout=self.connect_timeout))["stats"]
 
     def close(self) -> None:
         self.client.close()
+
+
+class RuntimeEndpoint(RemoteBackend):
+    """SGLang's `RuntimeEndpoint(base_url)`: a stemma server at an address, HTTP (http://,
+    https://) or ZeroMQ (tcp://, ipc://), as a backend: `set_default_backend(RuntimeEndpoint(url))`.
+    `api_key` is the server's (`stemma serve --api-key`); `tokenizer` as for RemoteBackend."""
+
+    def __init__(self, base_url: str, api_key: str | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, connect_timeout: float = 30.0):
+        if not isinstance(base_url, str):
+            raise TypeError(f"RuntimeEndpoint takes a server address, got {type(base_url).__name__}")
+        super().__init__(connect(base_url, api_key=api_key), tokenizer=tokenizer,
+                         connect_timeout=connect_timeout)
+        self.base_url = base_url
 
 
 class EmbeddedBackend(RemoteBackend):
