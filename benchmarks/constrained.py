@@ -10,11 +10,18 @@ build time per schema is printed too). All requests are greedy.
    applying the masks.
 2. Jump-forward: the same B JSON-schema requests with jump-forward off and on: steps, sampled and
    forced tokens, wall time.
+3. Budget closure (constraint_budget_closure), on vs off on the same engine, interleaved, jump-
+   forward on: B JSON-schema requests with unbounded integers, numbers, strings and arrays at
+   max_new_tokens 192 ("roomy": closure acts only on the outputs that run into the budget) and at
+   1.5x each schema's shortest output ("tight": it acts on most), and B Lark-grammar requests.
+   Reported per configuration: steps, ms/step, mask ms/step (fill + closure + apply), closure
+   ms/step (its share of it), invalid outputs, and the cold cost of the closure tables (built
+   with each Index, on the worker thread).
 
 Each configuration runs --rounds times, interleaved, and the fastest round is reported (other
 processes share the CPU). The JSON outputs' lengths are printed as their distribution.
 
-    python benchmarks/constrained.py [--batch 32] [--rounds 2] [--dtype bfloat16]
+    python benchmarks/constrained.py [--batch 32] [--rounds 2] [--dtype bfloat16] [--only closure]
 """
 from __future__ import annotations
 
@@ -59,6 +66,28 @@ SCHEMAS = [
         "capital": {"type": "boolean"}},
      "required": ["city", "coords", "capital"]},
 ]
+_S, _I, _N, _B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+
+
+def _obj(**props):
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+# Unbounded values: the schemas whose outputs run into max_new_tokens without closure.
+OPEN_SCHEMAS = [
+    _obj(name=_S, age=_I), _obj(title=_S, year=_I, rating=_N), _obj(id=_I, tags={"type": "array", "items": _S}),
+    _obj(city=_S, population=_I, area=_N), _obj(scores={"type": "array", "items": _I}),
+    _obj(user=_obj(id=_I, login=_S), active=_B), _obj(product=_S, price=_N, stock=_I), _obj(lat=_N, lon=_N),
+]
+OPEN_KINDS = ["person", "film", "record", "city", "exam", "account", "product", "place"]
+CLOSURE_GRAMMAR = '''start: expr
+expr: term (ADD term)*
+term: factor (MUL factor)*
+factor: NUMBER | "(" expr ")"
+ADD: "+" | "-"
+MUL: "*" | "/"
+NUMBER: /[0-9]+/
+'''
 KINDS = ["person", "user account", "meeting", "city"]
 NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jules", "Kofi",
          "Lena", "Mateo", "Nour", "Olga", "Pavel"]
@@ -81,26 +110,42 @@ def plain_workload(lengths: list[int]):
     return prompts, [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
 
 
-def run(engine, prompts, params, jump_forward: bool) -> dict:
+def run(engine, prompts, params, jump_forward: bool, closure: bool = True, check: bool = True) -> dict:
     """Runs one batch to completion; the engine's counters are read before and after."""
     constrainer = engine.scheduler.constrainer
-    constrainer.enable_jump_forward = jump_forward  # per-engine switch, flipped between runs here
+    constrainer.enable_jump_forward = jump_forward  # per-engine switches, flipped between runs here
+    constrainer.budget_closure = closure
     assert engine.flush_cache()
-    before = (engine.stats()["steps"], constrainer.stats.mask_time, constrainer.stats.forced_tokens,
-              constrainer.stats.guided_tokens)
+    s = constrainer.stats
+    before = (engine.stats()["steps"], s.mask_time, s.forced_tokens, s.guided_tokens, s.closure_time,
+              s.closed_requests)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     stats = engine.stats()
     steps = stats["steps"] - before[0]
-    for out, p in zip(outs, params):
-        if p.json_schema is not None:
-            json.loads(out.text)  # parses (validity is asserted by the tests)
+    invalid = sum(not valid(out.text, p) for out, p in zip(outs, params))
+    if check:
+        assert not invalid, f"{invalid} outputs do not hold their constraint"
     lengths = [len(o.token_ids) for o in outs]
     return {"steps": steps, "tokens": sum(lengths), "wall": wall, "lengths": lengths,
-            "mask": constrainer.stats.mask_time - before[1],
-            "forced": constrainer.stats.forced_tokens - before[2],
-            "sampled": constrainer.stats.guided_tokens - before[3]}
+            "mask": s.mask_time - before[1], "forced": s.forced_tokens - before[2],
+            "sampled": s.guided_tokens - before[3], "closure": s.closure_time - before[4],
+            "closed": s.closed_requests - before[5], "invalid": invalid}
+
+
+def valid(text: str, params) -> bool:
+    """Whether an output holds its constraint (plain outputs always do)."""
+    try:
+        if params.json_schema is not None:
+            import jsonschema
+            jsonschema.validate(json.loads(text), json.loads(params.json_schema))
+        elif params.grammar is not None:
+            import lark
+            lark.Lark(params.grammar).parse(text)
+    except Exception:
+        return False
+    return True
 
 
 def build_indexes(engine, params) -> list[float]:
@@ -113,16 +158,74 @@ def build_indexes(engine, params) -> list[float]:
     return times
 
 
+def closure_section(engine, batch: int, rounds: int) -> None:
+    """3. budget closure on vs off, interleaved on one engine."""
+    from stemma import SamplingParams
+    constrainer = engine.scheduler.constrainer
+    constrainer.budget_closure = True
+    prompts, shortest, built = [], [], []
+    for i in range(batch):
+        k = i % len(OPEN_SCHEMAS)
+        prompts.append(f"A JSON record describing a {OPEN_KINDS[k]} ({NAMES[i // len(OPEN_SCHEMAS) % len(NAMES)]}):\n")
+    for schema in OPEN_SCHEMAS:
+        spec = constrainer.check(SamplingParams(json_schema=schema))
+        t0 = time.perf_counter()
+        constrainer.start(spec).result()
+        table_ = constrainer.indexes.lookup_closure(spec.source, constrainer.vocab().fingerprint)
+        built.append((time.perf_counter() - t0, table_.seconds, table_.edges))
+        shortest.append(table_.distance(table_.initial))
+    schemas = [OPEN_SCHEMAS[i % len(OPEN_SCHEMAS)] for i in range(batch)]
+    roomy = [SamplingParams(json_schema=s, temperature=0, max_new_tokens=192) for s in schemas]
+    tight = [SamplingParams(json_schema=s, temperature=0, max_new_tokens=int(1.5 * shortest[i % len(OPEN_SCHEMAS)]))
+             for i, s in enumerate(schemas)]
+    g_prompts = [f"An arithmetic expression using {i + 2} numbers: " for i in range(batch)]
+    grammar = [SamplingParams(grammar=CLOSURE_GRAMMAR, temperature=0, max_new_tokens=24 + i % 8) for i in range(batch)]
+    constrainer.start(constrainer.check(grammar[0])).result()
+    workloads = {"JSON, roomy budget": (prompts, roomy), "JSON, tight budget": (prompts, tight),
+                 "grammar": (g_prompts, grammar)}
+    for name, (p, params) in workloads.items():  # warm-up
+        run(engine, p[:4], params[:4], True, True, check=False)
+    best: dict[tuple[str, bool], dict] = {}
+    for _ in range(rounds):
+        for name, (p, params) in workloads.items():
+            for closure in (False, True):
+                result = run(engine, p, params, True, closure, check=False)
+                key = (name, closure)
+                if key not in best or result["wall"] / result["steps"] < best[key]["wall"] / best[key]["steps"]:
+                    best[key] = result
+    print(f"\n3. budget closure, {batch} requests each, jump-forward on, best of {rounds} rounds "
+          f"(by ms/step); shortest outputs of the {len(OPEN_SCHEMAS)} schemas: {shortest} tokens")
+    rows = []
+    for name in workloads:
+        off, on = best[(name, False)], best[(name, True)]
+        for label, r in (("off", off), ("on", on)):
+            rows.append([name, label, r["steps"], r["tokens"], 1e3 * r["wall"] / r["steps"],
+                         1e3 * r["mask"] / r["steps"], 1e3 * r["closure"] / r["steps"], r["closed"],
+                         f"{r['invalid']}/{len(workloads[name][1])}"])
+        step_ratio = (on["wall"] / on["steps"]) / (off["wall"] / off["steps"])
+        mask_ratio = (on["mask"] / on["steps"]) / (off["mask"] / off["steps"])
+        rows.append([name, "on / off", "", "", step_ratio, mask_ratio, "", "", ""])
+    print(table(["workload", "closure", "steps", "tokens", "ms/step", "mask ms/step", "closure ms/step",
+                 "closed", "invalid"], rows))
+    print("closure tables (cold, on the worker thread, beside each Index): "
+          + ", ".join(f"{t:.2f}s of {total:.2f}s ({edges / 1e6:.1f}M transitions)" for total, t, edges in built))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--only", choices=["closure"], default=None, help="run section 3 only")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
     import stemma
     engine = stemma.Engine(dtype=args.dtype, max_running_requests=2 * args.batch)
+    if args.only == "closure":
+        print(f"default model, dtype {args.dtype}, {torch.get_num_threads()} threads, greedy")
+        closure_section(engine, args.batch, args.rounds)
+        return
     json_prompts, json_params = json_workload(args.batch, 192)
     builds = build_indexes(engine, json_params[:len(SCHEMAS)])  # cold: vocabulary + one Index each
     run(engine, json_prompts[:8], json_params[:8], jump_forward=True)  # warm-up: decodes and extends
@@ -164,6 +267,8 @@ def main() -> None:
             for name, r in (("off", off), ("on", on))]
     rows.append(["off / on", off["steps"] / on["steps"], "", "", "", off["wall"] / on["wall"]])
     print(table(["jump-forward", "steps", "sampled", "forced", "tokens", "wall (s)"], rows))
+
+    closure_section(engine, b, args.rounds)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class EngineConfig:
     random_seed: int | None = None        # seeds the RNG of unseeded sampled requests
     enable_jump_forward: bool = True      # constrained decoding appends forced text unsampled
     constraint_cache_size: int = 64       # outlines-core Indexes kept (one per regex/JSON schema)
+    constraint_budget_closure: bool = True  # constrained output closes within its token budget
     speculative: str = "none"             # none | ngram | draft:<model path> (stemma.speculative)
     speculative_max_tokens: int = 8       # most draft tokens a request verifies in one step
 

@@ -3,9 +3,17 @@
     check(params)        at submission: the ConstraintSpec, or a ValueError naming the field
     start(spec)          a Future of the request's guide factory; already done when the Index (or
                          the llguidance tokenizer) is cached, else built on the worker thread
+    attach(req, ...)     when it is built: the request's guide, with its token budget
     mask(logits, ...)    before sampling: the constrained rows' bitmask, applied in place
     advance(req, token)  after sampling: the tokens to append (jump-forward may add some) and a
                          finish reason when the constraint is complete
+
+Budget closure (`budget_closure`, on unless EngineConfig.constraint_budget_closure is False; see
+stemma.constrained.closure): each guide knows how many tokens its request may still append
+(max_new_tokens and the context, less its output), the mask keeps only tokens after which the
+constraint can still be completed within that budget, and a jump-forward whose forced tokens
+would leave no completion within it is not taken. A request whose budget cannot hold any complete
+output runs unrestricted and ends "length" with meta["error"] saying so.
 
 The vocabulary, Indexes and the llguidance tokenizer are built lazily on one worker thread, so an
 engine that never sees a constrained request never pays for them. (The worker exits when the
@@ -17,13 +25,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
 import torch
 
 from stemma.constrained import bitmask, jump_forward
+from stemma.constrained.closure import budget_error
 from stemma.constrained.spec import ConstraintSpec, check
 from stemma.constrained.vocab import TokenVocab, build_vocab
 from stemma.sampling_params import SamplingParams
@@ -33,10 +44,15 @@ if TYPE_CHECKING:
     from outlines_core import Index
     from transformers import PreTrainedTokenizerBase
 
+    from stemma.constrained.closure import GrammarClosure, RegexClosure
     from stemma.constrained.guide import Guide
     from stemma.engine.request import Request
 
+_MISSING = object()  # IndexCache.lookup_closure: no table built yet
+
 GuideFactory = Callable[[], "Guide"]
+LOGPROB_MARGIN = 2     # a grammar request asking for logprobs follows its completion this early
+CLOSURE_LOG = 4096     # closure_starts kept
 
 
 @dataclass
@@ -44,7 +60,14 @@ class ConstraintStats:
     guided_tokens: int = 0      # tokens sampled under a mask
     forced_tokens: int = 0      # tokens appended by jump-forward (net of the sampled ones replaced)
     jumps: int = 0              # jump-forwards taken
-    mask_time: float = 0.0      # seconds spent filling and applying masks
+    mask_time: float = 0.0      # seconds spent filling and applying masks (closure included)
+    closure_time: float = 0.0   # seconds of it spent on budget closure (masks, searches)
+    closed_rows: int = 0        # mask rows the budget closure narrowed
+    closed_requests: int = 0    # requests whose output the budget closure changed
+    refused_jumps: int = 0      # jump-forwards not taken: they would overrun the budget
+    replaced_tokens: int = 0    # sampled grammar tokens replaced by the completion's next one
+    closure_builds: int = 0     # shortest-completion tables built (one per regex Index)
+    closure_build_time: float = 0.0  # their seconds, on the worker thread
 
 
 class Constrainer:
@@ -62,6 +85,10 @@ class Constrainer:
         self._vocab: TokenVocab | None = None
         self._end_tokens: bitmask.EndTokens | None = None
         self._lltokenizer: LLTokenizer | None = None
+        self._grammar_closure: GrammarClosure | None = None
+        self.budget_closure = True  # the scheduler sets it from EngineConfig
+        # rid -> output length where budget closure first changed the request (the latest 4096)
+        self.closure_starts: OrderedDict[str, int] = OrderedDict()
 
     # ---- submission ----
     def check(self, params: SamplingParams) -> ConstraintSpec | None:
@@ -88,9 +115,18 @@ class Constrainer:
         if vocab is None:
             return None
         if spec.kind == "grammar":
-            return self._grammar_factory(spec.source) if self._lltokenizer is not None else None
+            if self._lltokenizer is None or (self.budget_closure and self._grammar_closure is None):
+                return None
+            return self._grammar_factory(spec.source)
         index = self.indexes.lookup(spec.source, vocab.fingerprint)
-        return None if index is None else self._regex_factory(index, vocab)
+        if index is None:
+            return None
+        closure = None
+        if self.budget_closure:
+            closure = self.indexes.lookup_closure(spec.source, vocab.fingerprint, missing=_MISSING)
+            if closure is _MISSING:
+                return None
+        return self._regex_factory(index, vocab, closure)
 
     def _build_factory(self, spec: ConstraintSpec) -> GuideFactory:  # on the worker thread
         vocab = self.vocab()
@@ -98,19 +134,49 @@ class Constrainer:
             if self._lltokenizer is None:
                 from stemma.constrained.grammar import build_lltokenizer
                 self._lltokenizer = build_lltokenizer(vocab, self.encode, self.tokenizer.bos_token_id)
+            if self.budget_closure and self._grammar_closure is None:
+                from stemma.constrained.closure import GrammarClosure
+                self._grammar_closure = GrammarClosure(vocab)
             factory = self._grammar_factory(spec.source)
             factory()  # the grammar compiles against the real vocabulary here, not in the batch
             return factory
-        return self._regex_factory(self.indexes.get(spec.source, vocab), vocab)
+        index = self.indexes.get(spec.source, vocab)
+        closure = None
+        if self.budget_closure:
+            closure = self.indexes.lookup_closure(spec.source, vocab.fingerprint, missing=_MISSING)
+            if closure is _MISSING:  # built here, beside the Index; None: it cannot be
+                start = time.perf_counter()
+                closure = self.indexes.add_closure(spec.source, vocab, index)
+                self.stats.closure_builds += 1
+                self.stats.closure_build_time += time.perf_counter() - start
+        return self._regex_factory(index, vocab, closure)
 
-    def _regex_factory(self, index: Index, vocab: TokenVocab) -> GuideFactory:
+    def _regex_factory(self, index: Index, vocab: TokenVocab, closure: RegexClosure | None) -> GuideFactory:
         from stemma.constrained.guide import RegexGuide
-        return lambda: RegexGuide(index, vocab)
+        return lambda: RegexGuide(index, vocab, closure)
 
     def _grammar_factory(self, grammar: str) -> GuideFactory:
         from stemma.constrained.grammar import GrammarGuide
         lltokenizer = self._lltokenizer
-        return lambda: GrammarGuide(lltokenizer, grammar)
+        closure = self._grammar_closure if self.budget_closure else None
+        return lambda: GrammarGuide(lltokenizer, grammar, closure)
+
+    def attach(self, req: Request, factory: GuideFactory, max_context: int) -> Guide:
+        """The guide of `req` (made by the factory `start` gave), with its token budget when
+        budget closure is on. A budget too small for any complete output is not enforced: the
+        request runs as it would without closure and says so in req.error (meta["error"])."""
+        guide = factory()
+        if not self.budget_closure:
+            return guide
+        budget = min(req.remaining_new_tokens, max_context - len(req.tokens))
+        guide.budget = budget
+        if req.params.logprobs or req.params.top_logprobs:
+            guide.margin = LOGPROB_MARGIN  # their sampled tokens are never replaced
+        shortest = guide.shortest() if guide.exact_closure else None
+        if shortest is not None and shortest > budget:
+            guide.budget = None
+            req.error = budget_error(shortest, budget, "constraint")
+        return guide
 
     def vocab(self) -> TokenVocab:
         with self._lock:
@@ -128,10 +194,26 @@ class Constrainer:
         """Sets the logits that `guides` forbid (guide i for row rows[i]) to -inf, in place."""
         start = time.perf_counter()
         mask = bitmask.fill(guides, logits.shape[-1])
+        if self.budget_closure:
+            self._close(mask, guides)
         self._end_tokens.set(mask, [g.is_final() for g in guides])
         bitmask.apply(logits, mask, rows)
         self.stats.guided_tokens += len(guides)
         self.stats.mask_time += time.perf_counter() - start
+
+    def _close(self, mask: torch.Tensor, guides: Sequence[Guide]) -> None:
+        """Budget closure: narrows each budgeted guide's row to what still completes in time."""
+        start = time.perf_counter()
+        words = None
+        for i, guide in enumerate(guides):
+            if getattr(guide, "budget", None) is None:
+                continue
+            if words is None:
+                words = mask.numpy().view(np.uint32)
+            if guide.restrict(words[i]):
+                self.stats.closed_rows += 1
+                guide.closure_acted = True
+        self.stats.closure_time += time.perf_counter() - start
 
     def advance(self, req: Request, token: int) -> tuple[list[int], str | None]:
         """After `token` was sampled for `req`: (tokens to append, finish reason or None).
@@ -139,22 +221,68 @@ class Constrainer:
         Sets req.error when the guide refuses the token (finish reason "error"); the mask makes
         that a bug, but it ends one request, never the batch."""
         guide, vocab = req.constraint, self._vocab
+        budget = guide.budget if self.budget_closure else None
         if token in vocab.end_ids:
-            return [token], "stop"  # the mask allows an end token only where the guide is final
+            return self._took(req, [token], "stop", budget)  # allowed only where the guide is final
         if not guide.accept(token):
             req.error = f"the constraint refused token {token}: {guide.error}"
             return [], "error"
+        if budget is not None:
+            start = time.perf_counter()
+            swap = guide.after_accept(token, budget - 1)
+            self.stats.closure_time += time.perf_counter() - start
+            if swap is not None:
+                self.stats.replaced_tokens += 1
+                guide.closure_acted = True
+                token = swap
+                if token in vocab.end_ids:
+                    return self._took(req, [token], "stop", budget)
         if guide.is_terminated():
-            return [token], "stop"
+            return self._took(req, [token], "stop", budget)
         if not self.enable_jump_forward or req.params.logprobs or req.params.top_logprobs:
-            return [token], None  # logprob requests sample every token, so each has its logprob
+            return self._took(req, [token], None, budget)  # logprob requests sample every token
         try:
             tokens = jump_forward.plan(guide, token, vocab, self.encode)
         except RuntimeError as exc:
             req.error = str(exc)
             return [token], "error"
         if tokens is None:
-            return [token], None
+            return self._took(req, [token], None, budget)
+        if budget is not None and not self._jump_fits(guide, len(tokens), budget):
+            guide.rollback(len(tokens))  # the forced tokens would overrun: sample them instead
+            if not guide.accept(token):
+                req.error = f"guide refused token {token} it had accepted: {guide.error}"
+                return [token], "error"
+            self.stats.refused_jumps += 1
+            guide.closure_acted = True
+            return self._took(req, [token], None, budget)
         self.stats.jumps += 1
         self.stats.forced_tokens += len(tokens) - 1
-        return tokens, "stop" if guide.is_terminated() else None
+        return self._took(req, tokens, "stop" if guide.is_terminated() else None, budget)
+
+    def _jump_fits(self, guide: Guide, count: int, budget: int) -> bool:
+        start = time.perf_counter()
+        fits = count <= budget and guide.completes_within(budget - count)
+        self.stats.closure_time += time.perf_counter() - start
+        return fits
+
+    def _took(self, req: Request, tokens: list[int], reason: str | None,
+              budget: int | None) -> tuple[list[int], str | None]:
+        """Books the budget: what is left after `tokens`, where closure first acted, and whether
+        the request ends knowing that its budget could not be met."""
+        if budget is None:
+            return tokens, reason
+        guide = req.constraint
+        guide.budget = budget - len(tokens)
+        if guide.closure_acted and not guide.closure_logged:
+            guide.closure_logged = True
+            self.closure_starts[req.rid] = len(req.output_ids)
+            self.stats.closed_requests += 1
+            while len(self.closure_starts) > CLOSURE_LOG:
+                self.closure_starts.popitem(last=False)
+        if reason == "stop":
+            if req.error is not None and req.error.startswith("constraint budget:"):
+                req.error = None  # complete after all
+        elif guide.closure_error is not None and req.error is None:
+            req.error = guide.closure_error
+        return tokens, reason

@@ -3,6 +3,10 @@ outlines-core Index (regexes and JSON schemas); grammar.GrammarGuide drives llgu
 
 Both answer the same questions, so the scheduler's mask path and jump-forward never ask which kind
 they hold. "Final" means the end tokens are allowed now; "terminated" means nothing else is.
+
+Budget closure (stemma.constrained.closure): the constrainer sets `budget`, the tokens the request
+may still append (None: no closure), and keeps it current; `restrict` then narrows each filled
+mask row to the tokens after which the constraint can still be completed within the budget.
 """
 from __future__ import annotations
 
@@ -11,7 +15,10 @@ from typing import TYPE_CHECKING, Protocol
 from stemma.constrained.vocab import TokenVocab
 
 if TYPE_CHECKING:
+    import numpy as np
     from outlines_core import Index
+
+    from stemma.constrained.closure import RegexClosure
 
 MAX_ROLLBACK = 256    # tokens a guide can step back (jump-forward re-tokenizes its boundary)
 # Bytes tried first when looking for the single forced byte: printable ASCII ends the search fast.
@@ -20,6 +27,8 @@ _PROBE_ORDER = tuple(range(0x20, 0x7F)) + tuple(b for b in range(256) if not 0x2
 
 class Guide(Protocol):
     error: str | None  # why the last accept failed
+    budget: int | None  # tokens the request may still append; None: no budget closure
+    closure_error: str | None  # why the budget cannot be met (goes to the request's meta)
 
     def fill_mask(self, address: int, words: int) -> None:
         """Writes the allowed-token bitmask (bit t of word t // 32) of `words` int32 at `address`."""
@@ -42,6 +51,21 @@ class Guide(Protocol):
     def forced_bytes(self, limit: int) -> bytes:
         """The bytes that every continuation from here starts with (at most `limit`)."""
 
+    def shortest(self) -> int | None:
+        """Tokens of the shortest completion from here (0: complete), None when not known."""
+
+    def restrict(self, row: np.ndarray) -> bool:
+        """Narrows this guide's filled mask row (uint32 words) to the tokens after which the
+        constraint can be completed within `budget` tokens; True when it changed anything."""
+
+    def completes_within(self, tokens: int) -> bool:
+        """Whether a completion of at most `tokens` tokens is known from here."""
+
+    def after_accept(self, token: int, left: int) -> int | None:
+        """After `token` was accepted with `left` tokens of budget after it: a token to put in
+        its place (already accepted instead of it) when it left no completion within the budget,
+        else None."""
+
 
 class RegexGuide:
     """A request's walk through an outlines-core Index.
@@ -51,13 +75,20 @@ class RegexGuide:
     non-final state is a forced byte. Vocabularies without all 256 byte tokens force nothing.
     """
 
-    def __init__(self, index: Index, vocab: TokenVocab):
+    exact_closure = True  # shortest() is exact
+
+    def __init__(self, index: Index, vocab: TokenVocab, closure: RegexClosure | None = None):
         from outlines_core import Guide as OutlinesGuide
         self._index = index
         self._guide = OutlinesGuide(index, max_rollback=MAX_ROLLBACK)
         self._byte_ids = vocab.byte_token_ids
         self._eos = vocab.eos_token_id
+        self._closure = closure
         self.error: str | None = None
+        self.budget: int | None = None
+        self.closure_error: str | None = None
+        self.closure_acted = False  # set by the constrainer once closure changed this request
+        self.closure_logged = False
 
     def fill_mask(self, address: int, words: int) -> None:
         self._guide.write_mask_into(address, words, 4)
@@ -99,6 +130,23 @@ class RegexGuide:
             out.append(step[0])
             state = step[1]
         return bytes(out)
+
+    # ---- budget closure: exact, from the Index's shortest-completion lengths ----
+    def shortest(self) -> int | None:
+        if self._closure is None:
+            return None
+        return self._closure.distance(self._guide.get_state())
+
+    def restrict(self, row: np.ndarray) -> bool:
+        if self._closure is None or self.budget is None:
+            return False
+        return self._closure.restrict(row, self._guide.get_state(), self.budget)
+
+    def completes_within(self, tokens: int) -> bool:
+        return self._closure is None or self._closure.distance(self._guide.get_state()) <= tokens
+
+    def after_accept(self, token: int, left: int) -> int | None:
+        return None  # the mask already kept only tokens that leave a completion
 
     def _single_byte(self, state: int) -> tuple[int, int] | None:
         """(byte, next state) when exactly one byte may follow `state`, else None."""

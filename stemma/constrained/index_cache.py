@@ -4,9 +4,13 @@ An Index over a 262k-token vocabulary takes about a second per regex to build (a
 two), so it is built once per (pattern, tokenizer) and shared by every request that asks for it.
 Builds run on the constrainer's worker thread (outlines-core releases the GIL while building);
 lookups come from the scheduler thread, hence the lock.
+
+With an Index the cache keeps its budget-closure table (closure.RegexClosure: every state's
+shortest-completion length), built on the same worker right after the Index and evicted with it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -14,7 +18,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from outlines_core import Index, Vocabulary
 
+    from stemma.constrained.closure import RegexClosure
     from stemma.constrained.vocab import TokenVocab
+
+
+logger = logging.getLogger(__name__)
 
 
 class IndexCache:
@@ -24,6 +32,7 @@ class IndexCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, str], Index] = OrderedDict()
         self._vocabularies: dict[str, Vocabulary] = {}  # by TokenVocab fingerprint
+        self._closures: dict[tuple[str, str], RegexClosure] = {}  # of the cached Indexes only
         self._lock = threading.Lock()
         self.builds = 0
 
@@ -46,8 +55,30 @@ class IndexCache:
             self.builds += 1
             self._entries[(regex, vocab.fingerprint)] = index
             while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+                key, _ = self._entries.popitem(last=False)
+                self._closures.pop(key, None)
         return index
+
+    def lookup_closure(self, regex: str, fingerprint: str, missing: object = None) -> RegexClosure | None:
+        """The cached closure table of a cached Index; None where it could not be built;
+        `missing` where it was not."""
+        with self._lock:
+            return self._closures.get((regex, fingerprint), missing)
+
+    def add_closure(self, regex: str, vocab: TokenVocab, index: Index) -> RegexClosure | None:
+        """Builds the closure table of `index` (the Index of `regex` over `vocab`) and keeps it
+        while the Index is cached; None (kept too, so it is not tried again) when it cannot be
+        built (an Index with too many transitions)."""
+        from stemma.constrained.closure import RegexClosure
+        try:
+            closure = RegexClosure.build(index, vocab.eos_token_id)
+        except (ValueError, MemoryError) as exc:
+            logger.warning("no budget closure for regex of %d chars: %s", len(regex), exc)
+            closure = None
+        with self._lock:
+            if (regex, vocab.fingerprint) in self._entries:
+                self._closures[(regex, vocab.fingerprint)] = closure
+        return closure
 
     def __len__(self) -> int:
         return len(self._entries)

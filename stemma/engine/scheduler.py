@@ -61,6 +61,7 @@ class Scheduler:
         self.cache = cache
         self.req_to_slot = req_to_slot
         self.constrainer = constrainer
+        constrainer.budget_closure = config.constraint_budget_closure
         self.stops = stops
         self.max_context = stops.max_context
         self.waiting: deque[Request] = deque()
@@ -99,7 +100,7 @@ class Scheduler:
                 pending.append((req, future))
                 continue
             try:
-                req.constraint = future.result()()
+                req.constraint = self.constrainer.attach(req, future.result(), self.max_context)
             except Exception as exc:  # a build failure ends this request only; it is reported
                 req.error = f"{type(exc).__name__}: {exc}"
                 failed.append(self._finish(req, "error"))
