@@ -25,7 +25,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, 
 
 from stemma.lang.errors import ProgramError
 from stemma.lang.interpreter import Meta, Run, RunConfig, StateExecutor, Value
-from stemma.lang.ir import Concat, Content, Gen, Node, RoleBegin, RoleEnd, Select, as_node
+from stemma.lang.ir import Content, Gen, Node, Select, as_node
+from stemma.lang.roles import RoleMethods
 from stemma.lang.suspend import await_only, in_body, run_body, run_now
 from stemma.lang.usage import CallRecord, Usage
 from stemma.outputs import RequestOutput
@@ -69,7 +70,7 @@ class _Follow:
         return None, True, True                # text appended after it: it has ended
 
 
-class ProgramState:
+class ProgramState(RoleMethods):
     def __init__(self, executor: StateExecutor, loop: asyncio.AbstractEventLoop | None = None):
         self._ex = executor
         self._task: asyncio.Task | None = None          # the run, while it may still be going
@@ -111,23 +112,7 @@ class ProgramState:
         await self._ex.idle()
         self._ex._set(name, value, None)
 
-    # ---- roles and scopes (SGLang's state methods) ----
-    def system(self, content: Content | None = None):
-        """`s.system(text)` appends a system turn; `with s.system(): ...` wraps what the block
-        appends in one."""
-        return self._role("system", content)
-
-    def user(self, content: Content | None = None):
-        return self._role("user", content)
-
-    def assistant(self, content: Content | None = None):
-        return self._role("assistant", content)
-
-    def _role(self, role: str, content: Content | None):
-        if content is None:
-            return _role_scope(self, role)
-        self += Concat((RoleBegin(role), as_node(content), RoleEnd(role)))
-        return None
+    # ---- roles (RoleMethods) and scopes (SGLang's state methods) ----
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:
@@ -483,13 +468,6 @@ def _shown(item: Any, generated_only: bool, seen: set[str | None]) -> bool:
         seen.add(item.name)
         return False
     return item[0] or not generated_only
-
-
-@contextmanager
-def _role_scope(state: ProgramState, role: str) -> Iterator[None]:
-    state += RoleBegin(role)
-    yield
-    state += RoleEnd(role)
 
 
 def start(body: Callable[..., Any], args: tuple, kwargs: dict, config: RunConfig,

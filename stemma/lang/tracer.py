@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from stemma.lang.chat_template import ChatTemplate
-from stemma.lang.ir import Concat, Content, Node, RoleBegin, RoleEnd, Text, as_node
+from stemma.lang.ir import Content, Node, RoleBegin, RoleEnd, Text, as_node
+from stemma.lang.roles import RoleMethods
 from stemma.lang.tool import tracing
 
 
@@ -45,7 +46,7 @@ class Placeholder:
 _CONSTANT = (Text, RoleBegin, RoleEnd)
 
 
-class TracingState:
+class TracingState(RoleMethods):
     """Records the constant nodes appended to it; anything else stops the trace."""
 
     def __init__(self):
@@ -60,28 +61,7 @@ class TracingState:
             self.nodes.append(node)
         return self
 
-    # SGLang's role scopes and var_scope append constant nodes (or none) and are traced through
-    def system(self, content: Content | None = None):
-        return self._role("system", content)
-
-    def user(self, content: Content | None = None):
-        return self._role("user", content)
-
-    def assistant(self, content: Content | None = None):
-        return self._role("assistant", content)
-
-    def _role(self, role: str, content: Content | None):
-        if content is None:
-            return self._role_scope(role)
-        self += Concat((RoleBegin(role), as_node(content), RoleEnd(role)))
-        return None
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self += RoleBegin(role)
-        yield
-        self += RoleEnd(role)
-
+    # var_scope appends nothing itself (RoleMethods append constant nodes): traced through
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:
         yield

@@ -37,7 +37,7 @@ from stemma import protocol as P
 from stemma.serve.http.bridge import CLOSE, Bridge
 from stemma.log import check_level, configure as configure_logging
 from stemma.text.detokenizer import TextStream
-from stemma.text.tokenizer import load_tokenizer, preload_tokenizers
+from stemma.text.tokenizer import encode_prompt, load_tokenizer, preload_tokenizers
 from stemma.serve.routes import Pending, Routes
 from stemma.serve.peer_watch import PeerWatch, configure
 from stemma.serve.proc_watch import ParentWatch, ProcessWatch
@@ -260,7 +260,7 @@ class Gateway:
 
     def on_generate(self, peer: bytes, msg: P.GenerateReq) -> None:
         try:
-            ids = msg.input_ids if msg.input_ids is not None else self.tokenize(msg.prompt)
+            ids = msg.input_ids if msg.input_ids is not None else encode_prompt(self.tokenizer, msg.prompt)
         except ValueError as exc:
             self.error(peer, msg.rid, P.BAD_REQUEST, str(exc))
             return
@@ -269,14 +269,6 @@ class Gateway:
         pending = Pending(peer, msg.rid, msg.TAG, msg.stream, msg.params.n, ids, msg.params,
                           program=msg.program)
         self.forward(peer, dataclasses.replace(msg, prompt=None, input_ids=ids), pending)
-
-    def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; send token ids instead of text")
-        ids = self.tokenizer(prompt).input_ids
-        if not ids:
-            raise ValueError("prompt must hold at least one token")
-        return ids
 
     def forward(self, peer: bytes, msg: P.Message, pending: Pending) -> None:
         """Registers the request and sends it on under its engine-side id."""

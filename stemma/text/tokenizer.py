@@ -38,3 +38,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     if not any((source / name).exists() for name in TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase | None, text: str, what: str = "prompt") -> list[int]:
+    """`text`'s token ids (special tokens added, as the model expects a prompt); a ValueError,
+    naming `what`, when there is no tokenizer or no token."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer; send token ids instead of text")
+    ids = list(tokenizer(text).input_ids)
+    if not ids:
+        raise ValueError(f"{what} must hold at least one token")
+    return ids

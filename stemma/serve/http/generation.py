@@ -21,6 +21,7 @@ from stemma import protocol as P
 from stemma.sampling_params import SamplingParams
 from stemma.serve.http.errors import ApiError, ClientGone, bad_field, from_server
 from stemma.serve.http.state import HttpState, LocalPeer
+from stemma.text.tokenizer import encode_prompt
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
@@ -164,13 +165,12 @@ def max_tokens_for(state: HttpState, prompts: list[Prompt], requested: int | Non
     return max(state.engine.context_length - longest - 1, 0)
 
 
-def tokenize(state: HttpState, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
-    if state.tokenizer is None:
-        raise bad_field(field_name, "this model has no tokenizer; send token ids instead of text")
-    ids = list(state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-    if not ids:
-        raise bad_field(field_name, f"{field_name} must hold at least one token")
-    return ids
+def tokenize(state: HttpState, text: str, field_name: str) -> list[int]:
+    """As the gateway tokenizes a ZeroMQ prompt (encode_prompt); a bad one is a 400 naming the field."""
+    try:
+        return encode_prompt(state.tokenizer, text, field_name)
+    except ValueError as exc:
+        raise bad_field(field_name, str(exc)) from None
 
 
 def check_ids(state: HttpState, ids: list[int], field_name: str) -> list[int]:

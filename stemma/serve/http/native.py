@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from stemma import protocol as P
 from stemma.serve.http import generation as G
 from stemma.serve.http.chat import as_dicts, render
-from stemma.serve.http.errors import ApiError, bad_field, from_server, unavailable
+from stemma.serve.http.errors import ApiError, bad_field, from_server
 from stemma.serve.http.openai_models import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from stemma.serve.http.sampling import check_model, native_params
 from stemma.serve.http.state import HttpState
@@ -128,7 +128,3 @@ def model(state: HttpState, model_id: str) -> dict[str, Any]:
         raise ApiError(404, f"the model {model_id!r} does not exist here", param="model",
                        code="model_not_found")
     return model_card(state)
-
-
-__all__ = ["generate", "server_info", "health", "flush_cache", "tokenize", "detokenize", "models",
-           "model", "unavailable"]
