@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"}
 ATTENTION_OPS = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::index_select",
                  "aten::index_copy_", "aten::masked_fill", "aten::masked_fill_", "aten::where"}
 

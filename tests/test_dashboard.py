@@ -53,7 +53,7 @@ def folder(tmp_path_factory):
 @pytest.fixture
 def engine(folder):
     return stemma.Engine(folder, dtype="float32", attention_backend="torch", kv_pool_tokens=4096,
-                         max_running_requests=2)
+                         max_running_requests=2, speculative="none")  # one token per step
 
 
 class Outputs:

@@ -6,7 +6,7 @@ import pytest
 
 from stemma.executor import tuning
 from stemma.models.linear import Embedding, KernelChoice, Linear
-from stemma.models.weights import DenseWeight, Int4Weight, Int8Weight, check_int4_layout
+from stemma.models.weights import DenseWeight, Int4Weight, Int8Weight, check_int4_layout, packing_available
 
 
 def rand(*shape, seed=0):
@@ -104,7 +104,7 @@ def test_dispatch_table_is_measured_cached_and_applied(tmp_path, monkeypatch):
     table = tuning.load_or_measure(model, torch.float32)
     assert [e.shape for e in table.entries] == [("dense", 64, 32), ("int8", 128, 64)]
     assert all(len(e.choice) == len(tuning.ROW_COUNTS) for e in table.entries)
-    assert set(table.entries[0].choice) <= {"linear", "mm_t"} and set(table.entries[1].choice) == {"int8"}
+    assert set(table.entries[0].choice) <= {"linear", "mm_t", "packed"} and set(table.entries[1].choice) == {"int8"}
     assert list(tmp_path.glob("tune/*.json"))
     again = tuning.load_or_measure(model, torch.float32)   # read back, not measured again
     assert again.seconds == table.seconds and again.entries[0].times_ms == table.entries[0].times_ms
@@ -112,9 +112,10 @@ def test_dispatch_table_is_measured_cached_and_applied(tmp_path, monkeypatch):
     assert model.a.kernels == table.entries[0].kernels()
     assert "int8" in table.show() and "*" in table.show()
     wide = tuning.measure(tuning.stores_of(model), torch.float32, all_stores=True)
-    assert set(wide.entries[0].times_ms) == {"linear", "mm_t", "int8"}   # 32 inputs: no int4 group
-    assert set(wide.entries[1].times_ms) == {"linear", "mm_t", "int8", "int4"}
-    assert set(wide.entries[0].choice) <= {"linear", "mm_t"}  # each matrix runs its own store's kernels
+    dense = set(DenseWeight(model.a.weights().dequantize()).kernels)
+    assert set(wide.entries[0].times_ms) == dense | {"int8"}   # 32 inputs: no int4 group
+    assert set(wide.entries[1].times_ms) == dense | {"int8", "int4"}
+    assert set(wide.entries[0].choice) <= dense  # each matrix runs its own store's kernels
     assert set(wide.entries[1].choice) == {"int8"}
 
 
@@ -128,7 +129,51 @@ def test_a_forced_table_without_bf16_runs_fp32_and_int8():
     expected = model.b.matmul(torch.nn.functional.linear(x, model.a.weight).contiguous())
     tuning.apply(model, forced)
     assert model.a.kernels.pick(3) == "mm_t"
-    torch.testing.assert_close(model.b.matmul(model.a.matmul(x)), expected)
+    torch.testing.assert_close(model.b.matmul(model.a.matmul(x)), expected, atol=1e-4, rtol=1e-4)  # mm_t vs F.linear order
+
+
+needs_packing = pytest.mark.skipif(not packing_available(torch.ones(1, 1)), reason="no oneDNN on this torch")
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 37, 100), (7, 64, 33), (0, 16, 8)])
+def test_the_packed_kernel_computes_f_linear(dtype, shape):
+    rows, k, n = shape
+    w, x = rand(n, k).to(dtype), rand(rows, k).to(dtype)
+    store = DenseWeight(w)
+    assert "packed" in store.kernels
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    expected = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(store.matmul(x, "packed").float(), expected, **tol)
+    x3 = rand(2, 3, k).to(dtype)
+    torch.testing.assert_close(store.matmul(x3, "packed").float(),
+                               torch.nn.functional.linear(x3.float(), w.float()), **tol)
+    xt = rand(k, 5).to(dtype).t()      # a transposed view, as a dense `mm_t` result is
+    torch.testing.assert_close(store.matmul(xt, "packed").float(),
+                               torch.nn.functional.linear(xt.float(), w.float()), **tol)
+
+
+@needs_packing
+def test_a_packed_linear_drops_its_dense_copy_and_an_embedding_keeps_its_rows():
+    layer = Linear(40, 24)
+    torch.nn.init.normal_(layer.weight)
+    dense = layer.weight.detach().clone()
+    x = rand(3, 40)
+    layer.set_kernels(KernelChoice.single("packed"))
+    assert layer.weight is None and "weight" not in dict(layer.named_parameters())
+    assert layer.store.weight is None and layer.store.packed is not None
+    torch.testing.assert_close(layer(x), x @ dense.t(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(layer.store.dequantize(), dense)   # read back exactly from the packed copy
+    emb = Embedding(50, 16)
+    torch.nn.init.normal_(emb.weight)
+    emb.set_kernels(KernelChoice.single("packed"))
+    assert emb.weight is not None and emb.store.packed is not None
+    ids = torch.tensor([0, 49, 7])
+    assert torch.equal(emb(ids), emb.weight[ids])
+    torch.testing.assert_close(emb.matmul(rand(2, 16)), rand(2, 16) @ emb.weight.t(), atol=1e-4, rtol=1e-4)
+    emb.set_kernels(KernelChoice((1,), ("linear",)))      # a choice without it frees the packed copy
+    assert emb.store.packed is None
 
 
 class TinyModel(torch.nn.Module):

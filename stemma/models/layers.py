@@ -39,13 +39,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self._scale_of: tuple | None = None   # (weight, its version) that `_scale` was made from
+        self._scale: torch.Tensor | None = None
+
+    def scale(self) -> torch.Tensor:
+        """`offset + weight` in float32, rebuilt whenever the weight changes (loads copy in place)."""
+        key = (self.weight, self.weight._version)
+        if self._scale_of is None or self._scale_of[0] is not key[0] or self._scale_of[1] != key[1]:
+            self._scale = (self.offset + self.weight.detach().float()).contiguous()
+            self._scale_of = key
+        return self._scale
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """x normalized over its last dim, in float32, without the weight."""
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (h * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+            return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
+        return self.weight * self.normed(x).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -70,18 +82,18 @@ class Rotary(nn.Module):
         self.scaling = float(scaling)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width [T, 1, D] float32 factors: cos twice, and sin with the rotate-half sign
+        folded in (-sin, then sin), so that rope(x) = x * cos + swap_halves(x) * sin."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
-        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D]; cos/sin [T, D/2] in float32."""
+        """x [T, H, D] in float32 (any heads at once); cos/sin from `cos_sin`."""
         half = x.shape[-1] // 2
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin)
 
 
 class GatedMLP(nn.Module):
@@ -117,20 +129,34 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self._qk_of: tuple | None = None   # the (q, k) norm scales `_qk` was made from
+        self._qk: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
         lay = self.layer
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(n, lay.num_heads, lay.head_dim)
-        k = k.view(n, lay.num_kv_heads, lay.head_dim)
-        v = v.view(n, lay.num_kv_heads, lay.head_dim)
+        hq, hkv, d = lay.num_heads, lay.num_kv_heads, lay.head_dim
+        qkv = self.qkv_proj(x)
+        # q and k side by side as [T, Hq + Hkv, D]: normed and rotated together, in float32
+        qk = qkv[:, :(hq + hkv) * d].reshape(n, hq + hkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            qk = self.q_norm.normed(qk) * self.qk_scale()
+        else:
+            qk = qk.float()
         cos, sin = rope_for(self.rotary, ctx)
-        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
-        out = ctx.backend.forward(q, k, v, lay, ctx.pool)
-        return self.o_proj(out.reshape(n, lay.num_heads * lay.head_dim))
+        qk = self.rotary(qk, cos, sin).to(x.dtype)
+        v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
+        out = ctx.backend.forward(qk[:, :hq], qk[:, hq:], v, lay, ctx.pool)
+        return self.o_proj(out.reshape(n, hq * d))
+
+    def qk_scale(self) -> torch.Tensor:
+        """[Hq + Hkv, D]: each query head's q-norm scale, then each KV head's k-norm scale."""
+        q, k = self.q_norm.scale(), self.k_norm.scale()
+        if self._qk_of is None or self._qk_of[0] is not q or self._qk_of[1] is not k:
+            lay = self.layer
+            self._qk = torch.cat((q.expand(lay.num_heads, -1), k.expand(lay.num_kv_heads, -1)))
+            self._qk_of = (q, k)
+        return self._qk
 
 
 def rope_for(rotary: Rotary, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,18 @@ class Matrix(nn.Module):
             del self.weight
             self.register_parameter("weight", None)
 
+    def set_kernels(self, kernels: KernelChoice | None) -> None:
+        """Runs `kernels` from now on (None: the store's default); a dense store drops the copy of
+        the matrix those kernels never read (an embedding keeps its dense rows)."""
+        self.kernels = kernels
+        store = self.weights()
+        if isinstance(store, DenseWeight):
+            used = set((kernels or DEFAULT_KERNELS[store.kind]).kernels)
+            store.settle(used, keep_dense=isinstance(self, Embedding))
+            if store.weight is None and self.weight is not None:
+                del self.weight
+                self.register_parameter("weight", None)
+
     def weights(self) -> WeightStore:
         if self.store is None:
             self.store = DenseWeight(self.weight)
