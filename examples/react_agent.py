@@ -52,9 +52,12 @@ Input: 111
 
 """
 
+# The default model (Gemma 3 270M, a base model) follows the worked example above closely: it
+# looks the fact up and then divides, as the example does. So these questions divide; asked for
+# another operation it still divides or subtracts ("Everest plus 1000" became `1000 - 8849`).
 QUESTIONS = [
-    "What is the height of Mount Everest plus 1000?",
-    "What is the number of days in a leap year times 2?",
+    "What is the length of the Nile divided by 10?",
+    "What is the number of days in a leap year divided by 2?",
 ]
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

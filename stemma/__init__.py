@@ -4,7 +4,7 @@ Heavy modules (torch, transformers) are imported lazily, on first use of a name 
 Importing stemma changes no environment variable: the OpenMP settings are applied where a process
 that runs the model starts (see stemma.engine.threads).
 """
-from importlib import import_module
+from importlib import import_module as _import_module
 
 __version__ = "0.1.0"
 
@@ -40,11 +40,13 @@ _LAZY = {
 def __getattr__(name):
     if name in _LAZY:
         module_name, attr = _LAZY[name]
-        value = getattr(import_module(module_name), attr)
+        value = getattr(_import_module(module_name), attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'stemma' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    """The public names, each once: the lazy ones (loaded or not) and the module's dunders; not
+    its private helpers, nor the submodules that loading a name has bound here."""
+    return sorted(set(_LAZY) | {"__version__"} | {n for n in globals() if n.startswith("__")})

@@ -2,38 +2,70 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
-import time
 
-from stemma.cli_args import add_dataclass_args, collect
+from stemma.cli_args import Parser, add_dataclass_args, collect
 from stemma.engine_config import EngineConfig
+from stemma.lang.escapes import unescape
 from stemma.log import LEVELS, configure as configure_logging
+from stemma.progress import elapsed, stage
 from stemma.serve.launch import ServeConfig
 from stemma.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+# The commands sample greedily by default (temperature 0), unlike SamplingParams (1.0) and run():
+# a command line is for trying a model, where the same input should give the same output.
 _GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
 
 
 def _engine(ns):
+    stage(logger, "loading %s", ns.model or "the default model (Gemma 3 270M)")
     from stemma.engine.engine import Engine
     return Engine(**collect(ns, EngineConfig))
 
 
+def _logprob_lines(out, decode) -> list[str]:
+    """One line per generated token: its text, its logprob, and the top alternatives if asked."""
+    lines = []
+    for i, token in enumerate(out.token_ids):
+        line = f"  {decode([token])!r:>16} {out.logprobs[i]:9.4f}" if out.logprobs else f"  {decode([token])!r:>16}"
+        if out.top_logprobs:
+            line += "   top: " + ", ".join(f"{decode([t])!r} {lp:.3f}" for t, lp in out.top_logprobs[i])
+        lines.append(line)
+    return lines
+
+
+def _print_outputs(prompt: str, outs: list, decode) -> None:
+    """Each output after the prompt; several (--n) under a header each; logprobs when asked."""
+    for i, out in enumerate(outs):
+        if len(outs) > 1:
+            print(f"--- output {i + 1} of {len(outs)} ({out.finish_reason}) ---")
+        print(prompt + out.text)
+        if out.logprobs or out.top_logprobs:
+            print("--- logprobs: token, logprob" + (", top alternatives" if out.top_logprobs else "")
+                  + " ---")
+            print("\n".join(_logprob_lines(out, decode)))
+
+
 def cmd_generate(ns) -> int:
     params = SamplingParams.from_dict({**_GENERATE_DEFAULTS, **collect(ns, SamplingParams)})
-    t0 = time.perf_counter()
+    if ns.stream and (params.n != 1 or params.logprobs or params.top_logprobs):
+        raise ValueError("--stream prints text as it comes: drop it for --n, --logprobs or "
+                         "--top-logprobs")
+    prompt = unescape(ns.prompt)
     engine = _engine(ns)
-    load = time.perf_counter() - t0
+    load = elapsed()
     if ns.stream:
-        sys.stdout.write(ns.prompt)
-        for delta in engine.stream(ns.prompt, params):
+        sys.stdout.write(prompt)
+        for delta in engine.stream(prompt, params):
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
     else:
-        outs = engine.generate(ns.prompt, params)
-        for out in outs if isinstance(outs, list) else [outs]:
-            print(ns.prompt + out.text)
+        outs = engine.generate(prompt, params)
+        _print_outputs(prompt, outs if isinstance(outs, list) else [outs], engine.tokenizer.decode)
     stats = engine.stats()
     print(f"[model ready in {load:.1f}s | {stats['generated_tokens']} tokens at "
           f"{stats['tokens_per_s']:.1f} tok/s]", file=sys.stderr)
@@ -53,7 +85,8 @@ _NOT_PROGRAM_DEFAULTS = ("n", "logprob_start", "logprobs", "top_logprobs")  # pe
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("backend")
     group.add_argument("--connect", metavar="ADDRESS",
-                       help="run on the stemma server at ADDRESS (tcp://host:port) instead")
+                       help="run on the stemma server at ADDRESS instead: its ZeroMQ port "
+                            "(tcp://host:port) or its HTTP port (http://host:port)")
     group.add_argument("--backend", choices=("embedded", "engine", "mock"), default="embedded",
                        help="embedded: a private runtime (engine and gateway processes, the "
                             "default); engine: the engine in this process; mock: a deterministic "
@@ -86,7 +119,7 @@ def _parse_vars(items: list[str] | None) -> dict[str, str]:
         name, eq, value = item.partition("=")
         if not eq or not name.isidentifier():
             raise ValueError(f"--var takes name=value, got {item!r}")
-        out[name] = value
+        out[name] = unescape(value)
     return out
 
 
@@ -122,12 +155,8 @@ def cmd_run(ns) -> int:
 
 
 def cmd_repl(ns) -> int:
-    from stemma.lang.repl import Repl, run_repl
-    backend = _backend(ns)
-    try:
-        return run_repl(Repl(backend, _sampling(ns)), ns.history)
-    finally:
-        backend.close()
+    from stemma.lang.repl import run_repl
+    return run_repl(lambda: _backend(ns), _sampling(ns), ns.history)
 
 
 def cmd_tune(ns) -> int:
@@ -142,37 +171,42 @@ def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stemma", description="stemma: an LLM program runtime")
+    parser = Parser(prog="stemma", description="stemma: an LLM program runtime. Text you type "
+                    "(prompts, --stop, --var, .stm programs, REPL inputs) reads backslash escapes "
+                    "such as \\n as in Python strings; see the README.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="continue a prompt on the model (greedy by default)")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", usage="%(prog)s [options] PROMPT", help="continue a prompt on the model (greedy by default)",
+                         description="Continues PROMPT on the model and prints it with the "
+                                     "continuation. Greedy by default (--temperature 0), unlike "
+                                     "SamplingParams and program runs (1.0).")
+    gen.add_argument("prompt", help="the text to continue; \\n and other escapes are read")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     add_dataclass_args(gen, SamplingParams, shown_defaults=_GENERATE_DEFAULTS)
     add_dataclass_args(gen, EngineConfig)
     _add_log_level(gen, "info")
     gen.set_defaults(func=cmd_generate)
-    srv = sub.add_parser("serve", help="serve the model over HTTP (the OpenAI API) and ZeroMQ (stemma.connect)")
+    srv = sub.add_parser("serve", usage="%(prog)s [options]", help="serve the model over HTTP (the OpenAI API) and ZeroMQ (stemma.connect)")
     add_dataclass_args(srv, ServeConfig)
     add_dataclass_args(srv, EngineConfig)
     _add_log_level(srv, "info")
     srv.set_defaults(func=cmd_serve)
-    run = sub.add_parser("run", help="run a text program (.stm)",
+    run = sub.add_parser("run", usage="%(prog)s PROGRAM [--var NAME=VALUE ...] [options]", help="run a text program (.stm)",
                          description="Runs a text program and streams its text; the variables it "
                                      "generated follow on stderr. Sampling flags are the defaults "
                                      "of every gen in it.")
     run.add_argument("program", help="a .stm file")
     run.add_argument("--var", action="append", metavar="NAME=VALUE",
-                     help="a variable of the program (repeatable)")
+                     help="a variable of the program (repeatable); \\n and other escapes are read")
     _add_backend_args(run)
     _add_log_level(run, "warning")
     run.set_defaults(func=cmd_run)
-    repl = sub.add_parser("repl", help="an interactive prompt for plain prompts and text programs")
+    repl = sub.add_parser("repl", usage="%(prog)s [options]", help="an interactive prompt for plain prompts and text programs")
     repl.add_argument("--history", default=None,
                       help="history file (default: $STEMMA_HISTORY or ~/.stemma_history; '' for none)")
     _add_backend_args(repl)
     _add_log_level(repl, "warning")
     repl.set_defaults(func=cmd_repl)
-    tune = sub.add_parser("tune", help="measure (or show) the kernel dispatch table of a model on this machine",
+    tune = sub.add_parser("tune", usage="%(prog)s [options]", help="measure (or show) the kernel dispatch table of a model on this machine",
                           description="Times every kernel each of the model's matrices can run at 1-128 "
                                       "rows and caches the fastest per row count (the engine does this "
                                       "at a model's first load). --show prints the cached table, "

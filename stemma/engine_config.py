@@ -1,48 +1,60 @@
 """EngineConfig: every engine option, in one frozen dataclass validated once."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
+from stemma.field_doc import doc, one_of
 from stemma.registry import ATTENTION_BACKENDS, POLICIES
 
 BATCHING = ("continuous", "dynamic", "static")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # how weight matrices are held (stemma.loader.quantize)
 INT4_GROUP_SIZES = (32, 64, 128)
 MAX_DRAFT_TOKENS = 16
-
-
-def one_of(default: str | int, names: Sequence[str | int]) -> Any:
-    """A field whose value must be one of `names`: validated in __post_init__, and argparse
-    `choices` for its flag (stemma.cli_args reads the field's metadata)."""
-    return field(default=default, metadata={"choices": tuple(names)})
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")  # loader.model.resolve_dtype
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None              # None: the default Gemma 3 270M GGUF
-    dtype: str = "auto"                   # auto: bf16 on CUDA and on CPUs with native bf16
-    quantization: str = one_of("auto", QUANTIZATIONS)  # auto: a GGUF keeps its tensors' precision
-    int4_group_size: int = one_of(64, INT4_GROUP_SIZES)  # weights per int4 scale and zero point
-    device: str = "auto"                  # auto: cuda when available, else cpu
-    kv_pool_tokens: int = 65536
-    max_running_requests: int = 128
-    max_context: int | None = None        # None: the model's context length
-    chunked_prefill_size: int | None = 2048  # None or <= 0: no chunking
-    max_prefill_tokens: int = 8192        # prefill tokens admitted in one step
-    schedule_policy: str = one_of("lpm", POLICIES.names())
-    batching: str = one_of("continuous", BATCHING)
-    dynamic_wait_ms: float = 20.0         # dynamic batching: how long a batch waits to fill
-    enable_radix_cache: bool = True
-    attention_backend: str = one_of("auto", ("auto", *ATTENTION_BACKENDS.names()))  # auto: triton on CUDA
-    kv_reserve_ratio: float = 0.3         # share of running decodes' remaining tokens kept free
-    lpm_fallback_queue: int = 128         # lpm orders as fcfs past this many waiting requests
-    random_seed: int | None = None        # seeds the RNG of unseeded sampled requests
-    enable_jump_forward: bool = True      # constrained decoding appends forced text unsampled
-    constraint_cache_size: int = 64       # outlines-core Indexes kept (one per regex/JSON schema)
-    constraint_budget_closure: bool = True  # constrained output closes within its token budget
-    speculative: str = "none"             # none | ngram | draft:<model path> (stemma.speculative)
-    speculative_max_tokens: int = 8       # most draft tokens a request verifies in one step
+    """Each field's help text is its `stemma ... --help` description (see stemma.field_doc)."""
+    model: str | None = doc(None, "a GGUF file or a Hugging Face model folder; not given: the "
+                                  "default model, Gemma 3 270M (base) Q4_K_M")
+    dtype: str = doc("auto", "activation and dense-weight precision; auto: bf16 on CUDA and on "
+                             "CPUs with native bf16, else float32",
+                     values=DTYPES)
+    quantization: str = one_of("auto", QUANTIZATIONS, "how weight matrices are held; auto: the "
+                               "fastest plan that passes the quality gate (stemma.loader.quantize)")
+    int4_group_size: int = one_of(64, INT4_GROUP_SIZES, "weights per int4 scale and zero point")
+    device: str = doc("auto", "auto, cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    kv_pool_tokens: int = doc(65536, "KV cache slots (tokens) shared by all requests and the "
+                                     "radix cache")
+    max_running_requests: int = doc(128, "most requests in one batch")
+    max_context: int | None = doc(None, "longest prompt + output in tokens; not given: the "
+                                        "model's context length")
+    chunked_prefill_size: int | None = doc(2048, "longest prompt chunk prefilled in one step; "
+                                                 "<= 0: no chunking")
+    max_prefill_tokens: int = doc(8192, "prefill tokens admitted in one step")
+    schedule_policy: str = one_of("lpm", POLICIES.names(), "the order waiting requests are "
+                                  "admitted in; lpm: longest cached prefix first")
+    batching: str = one_of("continuous", BATCHING, "continuous: requests join and leave every "
+                           "step; dynamic: a batch forms when none runs; static: fixed batches "
+                           "run to the end")
+    dynamic_wait_ms: float = doc(20.0, "dynamic batching: how long a batch waits to fill")
+    enable_radix_cache: bool = doc(True, "reuse the KV of every shared prefix (the radix cache)")
+    attention_backend: str = one_of("auto", ("auto", *ATTENTION_BACKENDS.names()),
+                                    "attention kernels; auto: triton on CUDA, else torch")
+    kv_reserve_ratio: float = doc(0.3, "share of running decodes' remaining tokens kept free in "
+                                       "the KV pool; in [0, 1]")
+    lpm_fallback_queue: int = doc(128, "lpm orders as fcfs past this many waiting requests")
+    random_seed: int | None = doc(None, "seeds the RNG of unseeded sampled requests; not given: "
+                                        "not seeded")
+    enable_jump_forward: bool = doc(True, "constrained decoding appends forced text unsampled")
+    constraint_cache_size: int = doc(64, "outlines-core Indexes kept (one per regex or JSON schema)")
+    constraint_budget_closure: bool = doc(True, "constrained output closes within its token budget")
+    speculative: str = doc("ngram", "speculative decoding: ngram (the default), none or draft:<model path> "
+                                   "(stemma.speculative)")
+    speculative_max_tokens: int = doc(8, f"most draft tokens a request verifies in one step; in "
+                                         f"[1, {MAX_DRAFT_TOKENS}]")
 
     def __post_init__(self):
         def positive(name):

@@ -13,6 +13,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
+from stemma.field_doc import doc
+
 _MAX_SEED = 2**63  # seeds must fit an int64 tensor
 
 
@@ -109,31 +111,37 @@ def _normalize_schema(value: Any) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0          # EOS and stop_token_ids are banned until this many tokens
-    temperature: float = 1.0         # 0 means greedy
-    top_p: float = 1.0               # in (0, 1]; 1 is off
-    top_k: int = -1                  # -1 is off
-    min_p: float = 0.0               # in [0, 1]; 0 is off
-    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens; 1 is off
-    frequency_penalty: float = 0.0   # OpenAI semantics, over output tokens; in [-2, 2]
-    presence_penalty: float = 0.0    # OpenAI semantics, over output tokens; in [-2, 2]
-    stop: tuple[str, ...] | str | list[str] | None = ()  # normalized to a tuple of strings
-    stop_token_ids: tuple[int, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()  # added to the logits
-                                     # (OpenAI semantics); normalized to sorted (id, bias) pairs
-    ignore_eos: bool = False
-    seed: int | None = None          # same seed -> same tokens, whatever the batch
-    n: int = 1
-    logprobs: bool = False           # return the chosen token's logprob
-    top_logprobs: int = 0            # return this many most likely tokens per position; 0 is off
-    logprob_start: int | None = None  # absolute prompt position from which prompt logprobs
-                                      # are returned; None returns none
-    skip_special_tokens: bool = True
-    regex: str | None = None         # the output must fullmatch this regex
-    json_schema: str | dict | None = None  # the output must be JSON valid under this schema;
-                                           # normalized to compact JSON text
-    grammar: str | None = None       # the output must parse under this Lark-syntax grammar
+    """Each field's help text is its `stemma ... --help` description (see stemma.field_doc)."""
+    max_new_tokens: int = doc(128, "most tokens to generate")
+    min_new_tokens: int = doc(0, "EOS and stop_token_ids are banned until this many tokens")
+    temperature: float = doc(1.0, "0 means greedy")
+    top_p: float = doc(1.0, "nucleus sampling: keep the most likely tokens up to this "
+                            "probability mass; in (0, 1], 1 is off")
+    top_k: int = doc(-1, "keep only the k most likely tokens; -1 is off")
+    min_p: float = doc(0.0, "drop tokens less likely than min_p times the most likely one; in "
+                            "[0, 1], 0 is off")
+    repetition_penalty: float = doc(1.0, "HF semantics, over prompt + output tokens; 1 is off")
+    frequency_penalty: float = doc(0.0, "OpenAI semantics, over output tokens; in [-2, 2]")
+    presence_penalty: float = doc(0.0, "OpenAI semantics, over output tokens; in [-2, 2]")
+    stop: tuple[str, ...] | str | list[str] | None = doc(
+        (), "stop strings, not included in the text; normalized to a tuple of strings")
+    stop_token_ids: tuple[int, ...] = doc((), "token ids that end the output")
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = doc(
+        (), "token id -> bias added to its logit (OpenAI semantics, in [-100, 100]); normalized "
+            "to sorted (id, bias) pairs")
+    ignore_eos: bool = doc(False, "keep generating past EOS")
+    seed: int | None = doc(None, "same seed -> same tokens, whatever the batch; not given: unseeded")
+    n: int = doc(1, "how many outputs to sample for the prompt")
+    logprobs: bool = doc(False, "return the chosen token's logprob")
+    top_logprobs: int = doc(0, "return this many most likely tokens per position; 0 is off")
+    logprob_start: int | None = doc(None, "absolute prompt position from which prompt logprobs "
+                                          "are returned; not given: none are")
+    skip_special_tokens: bool = doc(True, "leave special tokens (BOS, EOS, ...) out of the text")
+    regex: str | None = doc(None, "the output must fullmatch this regex")
+    json_schema: str | dict | None = doc(None, "the output must be JSON valid under this schema "
+                                               "(a dict or its JSON text); normalized to compact "
+                                               "JSON text")
+    grammar: str | None = doc(None, "the output must parse under this Lark-syntax grammar")
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 0)

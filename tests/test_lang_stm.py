@@ -48,7 +48,7 @@ def test_values(source, value):
 
 @pytest.mark.parametrize("source, where, message", [
     ("hello }", (1, 7), "write }} for a literal brace"),
-    ("line one\nQ: {gen a", (2, 10), "never closed"),
+    ("line one\nQ: {gen a", (2, 4), "never closed"),  # where the hole opens
     ("a\n  {gen x max_tokns=3}", (2, 3), "unknown SamplingParams fields: max_tokns"),
     ("{select v}", (1, 1), "needs choices"),
     ("{select v choices=['a'] weight=2}", (1, 1), "unknown option 'weight'"),
@@ -121,4 +121,4 @@ def test_stemma_run(tmp_path, capsys):
     assert f"{path}:3:11: unknown variable {{question}}" in capsys.readouterr().err
     path.write_text("oops {gen a")
     assert main(["run", str(path), "--backend", "mock"]) == 2
-    assert f"{path}:1:12: the program ends inside a hole" in capsys.readouterr().err
+    assert f"{path}:1:6: this '{{' is never closed" in capsys.readouterr().err  # where it opens

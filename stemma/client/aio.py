@@ -12,7 +12,8 @@ import zmq
 import zmq.asyncio
 
 from stemma import protocol as P
-from stemma.client.core import ClientBase, ClientCore, Op, RequestTimeout, Run, StreamBase, drain, open_socket
+from stemma.client.core import (ClientBase, ClientCore, Op, RequestTimeout, Run, StreamBase, drain,
+                                monitor_error, open_socket)
 
 
 class AsyncStream(StreamBase):
@@ -63,10 +64,10 @@ class AsyncClient(ClientBase):
         """The reader task."""
         while True:
             events = dict(await self._poller.poll())
-            dropped = self._monitor in events
-            if dropped:
-                await self._monitor.recv_multipart()  # the only event subscribed to is DISCONNECTED
-            self._core.received(drain(self._recv_ready), dropped)
+            failed = None
+            if self._monitor in events:
+                failed = monitor_error(self.address, await self._monitor.recv_multipart())
+            self._core.received(drain(self._recv_ready), failed)
 
     def _recv_ready(self, flags: int) -> list[bytes]:
         # a non-blocking receive on an asyncio socket is a future that is already done

@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any, Callable, Generator, Iterable, Sequence
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from stemma import protocol as P
 from stemma.outputs import RequestOutput
@@ -25,6 +26,11 @@ from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from stemma.sampling_params import SamplingParams
 
 CONNECTION_LOST = "connection_lost"
+WRONG_PROTOCOL = "wrong_protocol"  # the address answered, in another protocol than the client's
+# what the monitor of a client's socket reports: the connection dropped, or the peer answered but
+# its greeting was not ZeroMQ's (an HTTP server, say)
+MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
 Prompt = str | Sequence[int]
 Params = SamplingParams | dict | None
@@ -68,7 +74,7 @@ def open_socket(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, zmq.Socket]
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = sock.get_monitor_socket(MONITORED)
     sock.connect(address)
     return sock, monitor
 
@@ -85,6 +91,21 @@ def drain(recv: Callable[[int], list[bytes]]) -> Iterable[list[bytes]]:
 def lost(address: str) -> P.ErrorMsg:
     """The error every waiting request gets when the connection drops."""
     return P.ErrorMsg(rid="", code=CONNECTION_LOST, message=f"lost the connection to {address}")
+
+
+def not_zmq(address: str) -> P.ErrorMsg:
+    """The error every waiting request gets when the peer's greeting is not ZeroMQ's."""
+    http = "http://" + address.split("://", 1)[-1]
+    return P.ErrorMsg(rid="", code=WRONG_PROTOCOL, message=(
+        f"the server at {address} answered, but not in ZeroMQ: is it an HTTP port? Connect to "
+        f"{http} for HTTP, or to the server's ZeroMQ port (stemma serve --zmq-port) with tcp://"))
+
+
+def monitor_error(address: str, event: list[bytes]) -> P.ErrorMsg:
+    """What a monitor event (one of MONITORED) means for the requests waiting on the socket."""
+    if parse_monitor_message(event)["event"] == zmq.EVENT_DISCONNECTED:
+        return lost(address)
+    return not_zmq(address)
 
 
 def frames(key: bytes, msg: P.Message) -> list[bytes]:
@@ -242,17 +263,18 @@ class ClientCore:
             self.abandon(rid)
         self._inbox.clear()
 
-    def received(self, raws: Iterable[list[bytes]], dropped: bool = False) -> None:
-        """Files each reply in `raws` under its request; then, if the connection `dropped`, fails
-        every request still waiting. What the server sent before closing (say, why) comes first."""
+    def received(self, raws: Iterable[list[bytes]], failed: P.ErrorMsg | None = None) -> None:
+        """Files each reply in `raws` under its request; then, if the connection `failed` (see
+        monitor_error), fails every request still waiting with that error. What the server sent
+        before closing (say, why) comes first."""
         for raw in raws:
             msg = read_reply(raw)
             if isinstance(msg, P.ErrorMsg) and not msg.rid:
                 self._broadcast(msg)  # a frame without a readable id failed: fail them all
             elif msg.rid in self._inbox:
                 self._inbox[msg.rid].append(msg)
-        if dropped:
-            self._broadcast(lost(self.address))
+        if failed is not None:
+            self._broadcast(failed)
 
     def _broadcast(self, msg: P.Message) -> None:
         for inbox in self._inbox.values():

@@ -31,8 +31,9 @@ from typing import Any, AsyncIterator, Iterator
 import httpx2
 
 from stemma import protocol as P
-from stemma.client.core import (CONNECTION_LOST, Params, Prompt, RequestTimeout, ServerError,
-                                generate_request, unhealthy)
+from stemma.client.address import check, speaks_zmtp, zmq_twin
+from stemma.client.core import (CONNECTION_LOST, WRONG_PROTOCOL, Params, Prompt, RequestTimeout,
+                                ServerError, generate_request, unhealthy)
 from stemma.outputs import RequestOutput
 from stemma.text.sse import SSE
 
@@ -154,7 +155,17 @@ class StreamState:
                              finish_reason="abort")
 
 
+def not_http(address: str) -> ServerError:
+    return ServerError(WRONG_PROTOCOL, f"the server at {address} speaks ZeroMQ, not HTTP: connect "
+                                       f"to {zmq_twin(address)} for it, or to the server's HTTP "
+                                       f"port (stemma serve --port) with http://")
+
+
 def transport_error(exc: Exception, address: str, timeout: float | None) -> ServerError:
+    """The ServerError of a failed HTTP exchange; a port that never answered in HTTP is probed,
+    so that a ZeroMQ port given as http:// is named as such (see client.address.speaks_zmtp)."""
+    if isinstance(exc, (httpx2.TimeoutException, httpx2.RemoteProtocolError)) and speaks_zmtp(address):
+        return not_http(address)
     if isinstance(exc, httpx2.TimeoutException):
         return RequestTimeout(timeout or 0.0)
     if isinstance(exc, httpx2.ConnectError):
@@ -424,7 +435,7 @@ class HttpClient:
     default (None: no limit). Connecting is lazy: nothing is sent until the first call."""
 
     def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
-        if not address.startswith(("http://", "https://")):
+        if check(address) != "http":
             raise ValueError(f"an HTTP client needs an http:// or https:// address, got {address!r}")
         self.address = address.rstrip("/")
         self.timeout = timeout
@@ -436,6 +447,13 @@ class HttpClient:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    def check_protocol(self, wait_s: float = 0.2) -> None:
+        """Raises ServerError(WRONG_PROTOCOL) if the address is a ZeroMQ port, which would never
+        answer an HTTP request (it greets first; an HTTP server waits): one connection, waiting
+        up to `wait_s` for a greeting. A program's backend calls it before its first request."""
+        if speaks_zmtp(self.address, wait_s):
+            raise not_http(self.address)
 
     # ---- the transport ----
     def _client(self) -> httpx2.Client:

@@ -24,7 +24,8 @@ import zmq
 
 from stemma import protocol as P
 from stemma.client.core import (ClientBase, ClientCore, Op, Params, Prompt, RequestTimeout, Run,
-                                StreamBase, drain, open_socket)
+                                StreamBase, drain, monitor_error, open_socket)
+from stemma.client.address import check
 from stemma.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -58,7 +59,11 @@ class Client(ClientBase):
     _stream = Stream
 
     def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
-        """`timeout`: seconds to wait for each message of a reply, by default (None: no limit)."""
+        """`address`: tcp://host:port or ipc:///path (checked here: see client.address);
+        `timeout`: seconds to wait for each message of a reply, by default (None: no limit)."""
+        if check(address) != "zmq":
+            raise ValueError(f"a ZeroMQ client needs a tcp:// or ipc:// address, got {address!r}; "
+                             f"stemma.connect({address!r}) gives an HTTP client")
         self.address = address
         self.timeout = timeout
         self._key = api_key.encode() if api_key else b""
@@ -105,10 +110,10 @@ class Client(ClientBase):
         """Waits up to `timeout_s` for traffic, then files every reply under its request."""
         ms = None if timeout_s is None else max(int(timeout_s * 1000), 0)
         events = dict(self._poller.poll(ms))
-        dropped = self._monitor in events
-        if dropped:
-            self._monitor.recv_multipart()  # the only event subscribed to is DISCONNECTED
-        self._core.received(drain(self._sock.recv_multipart), dropped)
+        failed = None
+        if self._monitor in events:
+            failed = monitor_error(self.address, self._monitor.recv_multipart())
+        self._core.received(drain(self._sock.recv_multipart), failed)
 
     # ---- asyncio ----
     def _aclient(self):
@@ -162,8 +167,9 @@ class Client(ClientBase):
 def connect(address: str, api_key: str | None = None, timeout: float | None = None) -> Client | HttpClient:
     """A client of the stemma server at `address`: tcp://host:port or ipc://path (its ZeroMQ
     port, a Client), or http://host:port / https://... (its HTTP port, a client.http.HttpClient,
-    with the same calls). Connecting is lazy: nothing is sent until the first call."""
-    if address.startswith(("http://", "https://")):
+    with the same calls). Connecting is lazy: nothing is sent until the first call, but the
+    address is checked here: any other form is a ValueError naming the accepted ones."""
+    if check(address) == "http":
         from stemma.client.http import HttpClient  # imports httpx only when used
         return HttpClient(address, api_key, timeout)
     return Client(address, api_key, timeout)

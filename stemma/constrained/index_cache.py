@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,12 @@ class IndexCache:
         if index is not None:
             return index
         from outlines_core import Index
+        started = time.perf_counter()
+        logger.info("building the constraint index of a new pattern (%d-char regex) over %d tokens; "
+                    "requests with it wait until it is built (about 1-2 s on a large vocabulary, "
+                    "then cached)", len(regex), vocab.size)
         index = Index(regex, self._vocabulary(vocab))
+        logger.info("built the constraint index in %.1f s", time.perf_counter() - started)
         with self._lock:
             self.builds += 1
             self._entries[(regex, vocab.fingerprint)] = index

@@ -32,6 +32,7 @@ import torch
 from stemma.models.linear import KernelChoice
 from stemma.models.weights import DenseWeight, Int4Weight, Int8Weight
 from stemma.paths import cache_root
+from stemma.progress import stage
 
 if TYPE_CHECKING:
     from stemma.models.causal_lm import CausalLM
@@ -178,6 +179,8 @@ def load_or_measure(model: CausalLM, dtype: torch.dtype, all_stores: bool = Fals
             return DispatchTable.from_json(path.read_text())
         except (ValueError, TypeError, KeyError) as exc:  # a damaged entry is measured again
             logger.warning("ignoring the unreadable dispatch table %s: %s", path, exc)
+    stage(logger, "measuring the kernel dispatch table of %d matrix shapes on this CPU (once; a few seconds)",
+          len(stores))
     table = measure(stores, dtype, all_stores)
     logger.info("measured the kernel dispatch table in %.1f s (%d shapes); cached at %s",
                 table.seconds, len(stores), path)

@@ -9,23 +9,27 @@ class ProgramError(Exception):
 
 
 class VariableNotGenerated(ProgramError, LookupError):
-    """A program read a variable that no gen or select has written (or will write) in that state."""
+    """A program read a variable that no gen or select has written (or will write) in that state.
+    `known`: the variables written so far; `pending`: those that calls still running will write
+    (a read does not wait for calls that write other variables)."""
 
-    def __init__(self, name: str, known: list[str]):
+    def __init__(self, name: str, known: list[str], pending: list[str] = ()):
         have = ", ".join(sorted(known)) if known else "none"
+        coming = f"; still being generated: {', '.join(sorted(pending))}" if pending else ""
         super().__init__(f"variable {name!r} was never generated in this program state "
-                         f"(variables so far: {have})")
+                         f"(variables so far: {have}{coming})")
         self.name = name
 
 
 class UnknownVariable(ProgramError, LookupError):
-    """A text program refers to a variable that is neither an argument nor generated before it."""
+    """A text program refers to a variable that is neither an argument nor generated before it.
+    `known`: the variables there are; `hint`: how to give one, where the caller knows."""
 
-    def __init__(self, name: str, where: Where | None, known: list[str]):
+    def __init__(self, name: str, where: Where | None, known: list[str], hint: str = ""):
         at = f"{where}: " if where else ""
         have = ", ".join(sorted(known)) if known else "none"
         super().__init__(f"{at}unknown variable {{{name}}}: it is not an argument and not generated "
-                         f"before this point (known: {have})")
+                         f"before this point (known: {have}){'; ' + hint if hint else ''}")
         self.name = name
         self.where = where
 

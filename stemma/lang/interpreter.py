@@ -263,7 +263,7 @@ class StateExecutor:
         if self.error is not None:
             raise self.error
         if name not in self.vars:
-            raise VariableNotGenerated(name, list(self.vars))
+            raise VariableNotGenerated(name, list(self.vars), [n for n, c in self._expected.items() if c > 0])
         return self.vars[name]
 
     async def snapshot_text(self) -> str:

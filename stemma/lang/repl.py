@@ -4,19 +4,27 @@
     stemma> Q: {_} A:{gen answer max_tokens=16}      a text program; {_} is the last continuation
     stemma> :vars | :stats | :reset | :set name=value | :help | :quit
 
-A line ending in a backslash continues on the next line. Every input is its own program, so
-inputs that repeat an earlier prefix are served from the prefix cache (see :stats). The history
-is kept in ~/.stemma_history (--history sets another file; an empty path keeps none).
+A line ending in a backslash continues on the next line; `\\n` and the other escapes of
+lang/escapes.py are read, as in .stm text. Every input is its own program, so inputs that repeat
+an earlier prefix are served from the prefix cache (see :stats). The history is kept in
+~/.stemma_history (--history sets another file; an empty path keeps none).
+
+The banner and the prompt come at once: the backend (a model that may take a minute to load) is
+made on a background thread (`load_in_background`), and the first input waits for it.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from stemma.lang.backends.base import Backend
-from stemma.lang.errors import ProgramError
+from stemma.lang.errors import ProgramError, UnknownVariable
+from stemma.lang.escapes import unescape
 from stemma.lang.interpreter import Value
 from stemma.lang.ir import Gen, Select
 from stemma.lang.stm import compile_text
@@ -31,22 +39,67 @@ HELP = """\
   :reset            forget the variables and this session's counters
   :help  :quit      (a line ending in \\ continues on the next line)"""
 LAST = "_"
+BANNER = ("stemma repl: a plain prompt continues the text; holes make a text program. "
+          ":help lists the commands.")
 
 
 def default_history() -> str:
     return os.environ.get("STEMMA_HISTORY", str(Path.home() / ".stemma_history"))
 
 
+def load_in_background(make: Callable[[], Backend], announce: Callable[[str], None]) -> Future:
+    """A Future of `make()`, run on a daemon thread (a process that quits while a model loads
+    does not wait for it; the runtime's processes watch their parent). `announce` gets one line
+    when it is done: the model is ready, or why it did not load."""
+    future: Future = Future()
+    started = time.perf_counter()
+
+    def load() -> None:
+        try:
+            future.set_result(make())
+        except BaseException as exc:  # handed to whoever waits for the backend
+            future.set_exception(exc)
+            announce(f"error: the model did not load: {exc}")
+            return
+        announce(f"model ready ({time.perf_counter() - started:.1f} s)")
+
+    threading.Thread(target=load, name="stemma-repl-load", daemon=True).start()
+    return future
+
+
 class Repl:
-    def __init__(self, backend: Backend, sampling: dict[str, Any] | None = None,
+    def __init__(self, backend: Backend | Future, sampling: dict[str, Any] | None = None,
                  out: TextIO | None = None):
+        """`backend`: a Backend, or a Future of one (still loading: see load_in_background)."""
         import sys
-        self.backend = backend
+        self._backend = backend
         self.sampling = dict(sampling or {})
         SamplingParams.from_dict(self.sampling)
         self.out = out or sys.stdout
         self.vars: dict[str, Value] = {}
         self.usage = Usage()
+
+    @property
+    def loading(self) -> bool:
+        return isinstance(self._backend, Future) and not self._backend.done()
+
+    @property
+    def backend(self) -> Backend:
+        """The backend, once it is ready: a Future is waited for here (its error raised)."""
+        if isinstance(self._backend, Future):
+            if self.loading:
+                self.write("(waiting for the model to load ...)\n")
+            self._backend = self._backend.result()
+        return self._backend
+
+    def close(self) -> None:
+        """Closes the backend if it loaded (one still loading is left to go with the process)."""
+        backend = self._backend
+        if isinstance(backend, Future):
+            if not backend.done() or backend.exception() is not None:
+                return
+            backend = backend.result()
+        backend.close()
 
     def write(self, text: str) -> None:
         self.out.write(text)
@@ -73,7 +126,10 @@ class Repl:
         plain = not any(isinstance(n, (Gen, Select)) for n in fn.nodes)
         if plain:
             fn = compile_text(source + "{gen " + LAST + "}", "<input>")
-        args = {name: self.vars[name] for name in fn.arguments if name in self.vars}
+        for name, where in fn.arguments.items():
+            if name not in self.vars:
+                raise UnknownVariable(name, where, list(self.vars), "`:set name=value` sets one")
+        args = {name: self.vars[name] for name in fn.arguments}
         state = fn.run(backend=self.backend, sampling=self.sampling, stream=True, **args)
         try:
             for delta in state.text_iter(generated_only=plain):
@@ -128,18 +184,32 @@ class Repl:
         if not eq or not name.isidentifier():
             self.write("usage: :set name=value\n")
             return
-        self.vars[name] = value
-        self.write(f"{name} = {value!r}\n")
+        self.vars[name] = unescape(value)
+        self.write(f"{name} = {self.vars[name]!r}\n")
 
 
-def run_repl(repl: Repl, history: str | None = None) -> int:
-    """The interactive loop, with prompt_toolkit's line editing and history."""
+def run_repl(make_backend: Callable[[], Backend], sampling: dict[str, Any] | None = None,
+             history: str | None = None) -> int:
+    """The interactive loop, with prompt_toolkit's line editing and history. The banner comes
+    first; the backend is made meanwhile (`load_in_background`) and closed at the end."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.patch_stdout import patch_stdout
     path = default_history() if history is None else history
     session = PromptSession(history=FileHistory(path) if path else InMemoryHistory())
-    repl.write("stemma repl: a plain prompt continues the text; holes make a text program. "
-               ":help lists the commands.\n")
+    print(BANNER, flush=True)
+    repl = Repl(load_in_background(make_backend, lambda line: print(line, flush=True)), sampling)
+    if repl.loading:
+        repl.write("loading the model in the background (up to a minute the first time); you "
+                   "can type now: your first input runs once it is ready\n")
+    try:
+        with patch_stdout(raw=True):  # the loader's "model ready" line prints above the prompt
+            return _loop(repl, session)
+    finally:
+        repl.close()
+
+
+def _loop(repl: Repl, session) -> int:
     while True:
         try:
             line = session.prompt("stemma> ")

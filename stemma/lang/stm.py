@@ -14,21 +14,22 @@
 - `{system}`, `{user}`, `{assistant}` open a turn and `{/system}` ... close it; these three names
   cannot be variables. One newline is dropped right after an opening or closing role tag and right
   before a closing one, so tags can stand on lines of their own.
-- `{{` and `}}` are literal braces. Values are "strings" or 'strings' (with escapes), numbers,
-  true/false/none, and [lists].
+- `{{` and `}}` are literal braces. Values are "strings" or 'strings', numbers, true/false/none,
+  and [lists]. Backslash escapes (`\\n`, `\\t`, `\\\\`, ...) are read in text and strings alike, by
+  the one rule of lang/escapes.py; a backslash before any other character stays as written.
 
 `compile_text(source)` returns a TextFunction, run like any @stemma.function program, with the
 variables as keyword arguments. Every error names the line and column.
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeAlias
 
 from stemma.lang.errors import StmSyntaxError, UnknownVariable
+from stemma.lang.escapes import unescape
 from stemma.lang.function import Function
 from stemma.lang.ir import ROLES, Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, Where
 from stemma.lang.primitives import gen, select
@@ -58,11 +59,45 @@ def _context(source: str, line: int, column: int) -> str:
     return f"    {text}\n    {' ' * (column - 1)}^"
 
 
+def _open_hole(source: str, end: int) -> int | None:
+    """Where the hole still open at offset `end` starts (its '{'), or None: the scan the lexer
+    makes, skipping `{{`, `}}` and quoted strings inside holes."""
+    i, start, quote = 0, None, None
+    while i < end:
+        char = source[i]
+        if start is None:
+            if source.startswith(("{{", "}}"), i):
+                i += 2
+                continue
+            if char == "{":
+                start = i
+        elif quote is not None:
+            if char == "\\":
+                i += 1
+            elif char == quote or char == "\n":
+                quote = None
+        elif char in "\"'":
+            quote = char
+        elif char == "}":
+            start = None
+        i += 1
+    return start
+
+
+def _where(source: str, offset: int, name: str) -> Where:
+    line = source.count("\n", 0, offset) + 1
+    return Where(line, offset - (source.rfind("\n", 0, offset) + 1) + 1, name)
+
+
 def _syntax_error(exc: Exception, source: str, name: str) -> StmSyntaxError:
     from lark.exceptions import UnexpectedCharacters, UnexpectedToken
     if isinstance(exc, UnexpectedCharacters):
         char = source[exc.pos_in_stream] if exc.pos_in_stream < len(source) else ""
         hint = " (write }} for a literal brace)" if char == "}" else ""
+        opened = _open_hole(source, exc.pos_in_stream) if char == "{" else None
+        if opened is not None:
+            hint = (f" inside the hole opened at {_where(source, opened, name)}, which is never "
+                    f"closed (write {{{{ for a literal brace)")
         where = Where(exc.line, exc.column, name)
         return StmSyntaxError(f"unexpected character {char!r}{hint}", where,
                               _context(source, exc.line, exc.column))
@@ -73,11 +108,20 @@ def _syntax_error(exc: Exception, source: str, name: str) -> StmSyntaxError:
             message = f"unexpected {value!r} (write }}}} for a literal brace)"
         else:
             message = f"unexpected {value!r} in a hole"
+            opened = _open_hole(source, exc.token.start_pos) if value.startswith("{") else None
+            if opened is not None:
+                message += (f" (the hole opened at {_where(source, opened, name)} is never closed; "
+                            f"write {{{{ for a literal brace)")
         return StmSyntaxError(message, where, _context(source, exc.line, exc.column))
-    lines = source.splitlines() or [""]
-    where = Where(len(lines), len(lines[-1]) + 1, name)
-    return StmSyntaxError("the program ends inside a hole: a '{' is never closed "
-                          "(write {{ for a literal brace)", where)
+    opened = _open_hole(source, len(source))
+    if opened is None:  # the lexer saw a hole the scan did not: say where the text ends
+        lines = source.splitlines() or [""]
+        return StmSyntaxError("the program ends inside a hole: a '{' is never closed "
+                              "(write {{ for a literal brace)", Where(len(lines), len(lines[-1]) + 1, name))
+    where = _where(source, opened, name)
+    return StmSyntaxError("this '{' is never closed: the program ends inside its hole "
+                          "(write {{ for a literal brace)", where,
+                          _context(source, where.line, where.column))
 
 
 def parse(source: str, name: str = "<text>"):
@@ -95,7 +139,7 @@ def _value(tree: Tree) -> OptionValue:
         return [_value(child) for child in tree.children]
     token = tree.children[0]
     if kind == "string":
-        return ast.literal_eval(token.value)
+        return unescape(token.value[1:-1])
     if kind == "number":
         text = token.value
         return float(text) if any(c in text for c in ".eE") else int(text)
@@ -201,7 +245,8 @@ def _trim_newlines(nodes: list[Node]) -> list[Node]:
 
 
 def _unescape(text: str) -> str:
-    return text.replace("{{", "{").replace("}}", "}")
+    """Literal braces, then the backslash escapes (lang.escapes: the rule of every typed text)."""
+    return unescape(text.replace("{{", "{").replace("}}", "}"))
 
 
 def compile_nodes(source: str, name: str = "<text>") -> tuple[Node, ...]:

@@ -1,6 +1,7 @@
 """Loading a model: the default GGUF, a GGUF file, or a Hugging Face folder, into stemma's models."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,9 +13,11 @@ from stemma.engine_config import QUANTIZATIONS
 from stemma.loader import quantize
 from stemma.models.causal_lm import CausalLM
 from stemma.models.spec import ModelSpec, spec_from_config
+from stemma.progress import stage
 from stemma.registry import MODEL_FAMILIES
 from stemma.text.tokenizer import load_tokenizer
 
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def build_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device) -> tuple[CausalLM, ModelSpec]:
     spec = spec_from_config(config)
+    stage(logger, "building the %s model (%d layers, %s, %s)", spec.model_type, spec.num_layers,
+          str(dtype).removeprefix("torch."), device)
     with torch.device("meta"):
         model = MODEL_FAMILIES.get(spec.family)(spec, config)
     model = model.to(dtype).to_empty(device=device)
@@ -64,6 +69,7 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[
         from stemma.loader import hf_folder
         config = hf_folder.read_config(path)
         spec_from_config(config)  # reject unsupported architectures before reading weights
+        stage(logger, "reading the weights of %s", path)
         tensors = hf_folder.read_tensors(path, dtype)
         return config, load_tokenizer(str(path)), tensors, None
     if not path.exists():
@@ -78,6 +84,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     `quantization` says (see stemma.loader.quantize)."""
     if path is None:
         from stemma.loader.gguf.loader import default_model_path
+        stage(logger, "locating the default model (Gemma 3 270M, from its PyPI package)")
         path = default_model_path()
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -92,6 +99,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     model, spec = build_model(config, tensors, torch.float32 if quantized else dt, device)
     stores = {name: "dense" for name in model.matrices()}
     if quantized:
+        stage(logger, "choosing the store of each weight matrix (quantization=%s)", quantization)
         stores = quantize.apply(model, quantize.plan(model, quantization, qtypes), dt, int4_group_size)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, spec=spec, source=str(path),
                        stores=stores)

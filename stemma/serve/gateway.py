@@ -233,6 +233,7 @@ class Gateway:
     def on_client(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
         if len(frames) != 3:
+            self.stranger(peer, f"{len(frames) - 1} frames, not [api key, body]")
             self.error(peer, "", P.BAD_REQUEST, "a message is two frames: [api key, body]")
             return
         if self.key is not None and not hmac.compare_digest(frames[1].bytes, self.key):
@@ -244,9 +245,18 @@ class Gateway:
             msg = P.decode(body.bytes, P.CLIENT_REQUESTS, self.spec.max_frame_bytes)
         except P.ProtocolError as exc:
             code = P.TOO_LARGE if len(body) > self.spec.max_frame_bytes else P.BAD_REQUEST
+            self.stranger(peer, str(exc))
             self.error(peer, exc.rid, code, str(exc))
             return
         self.on_message(peer, msg)
+
+    def stranger(self, peer: bytes, why: str) -> None:
+        """One warning line per peer that sends what is not stemma's protocol (an HTTP client at
+        the ZeroMQ port, most often); each such message still gets its error reply."""
+        if self.peers.first_strange(peer):
+            logger.warning("a client at the ZeroMQ port %s sent a message that is not stemma's "
+                           "protocol (%s); an HTTP client belongs on the HTTP port",
+                           self.spec.address, why[:200])
 
     def on_message(self, peer: bytes | int, msg: P.Message) -> None:
         if isinstance(msg, P.GenerateReq):

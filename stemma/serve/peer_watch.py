@@ -25,15 +25,37 @@ def configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
 
 
+def source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection `frame` came over, or -1 where ZeroMQ keeps none: it
+    raises EINVAL for frames of a peer that spoke ZeroMQ's 1.0 wire format, which is how the
+    bytes of an HTTP request sent to a ZeroMQ port parse."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return -1
+
+
 class PeerWatch:
     def __init__(self, router: zmq.Socket):
         self.monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.fd_of: dict[bytes, int] = {}
         self.on_fd: dict[int, set[bytes]] = {}
+        self.strangers: set[bytes] = set()  # peers that sent what is not stemma's protocol
+
+    def first_strange(self, identity: bytes) -> bool:
+        """True the first time `identity` sends a message that is not stemma's protocol (so that
+        it is logged once, not once per message; the set is bounded, forgetting all at 1024)."""
+        if identity in self.strangers:
+            return False
+        if len(self.strangers) >= 1024:
+            self.strangers.clear()
+        self.strangers.add(identity)
+        return True
 
     def seen(self, identity: bytes, frame: zmq.Frame) -> None:
-        """Records the connection a frame from `identity` came over."""
-        fd = frame.get(zmq.SRCFD)
+        """Records the connection a frame from `identity` came over (nothing when ZeroMQ does not
+        know it: see source_fd)."""
+        fd = source_fd(frame)
         if fd < 0 or self.fd_of.get(identity) == fd:
             return
         self._forget(identity)

@@ -4,6 +4,9 @@
 - A reply is `reply(prompt_text)` when given, else words picked by a hash of the prompt ids, so
   the same prompt always gets the same reply. It is cut at stop strings (the ids keep the stop
   string, as the engine's do) and at max_new_tokens characters.
+- A request with a regex (gen's `dtype` is one) or a JSON schema gets text that fullmatches it,
+  as deterministic as the rest (see mock_constraint.py); `choices` make a select, which picks
+  one of them by the logprobs below.
 - The logprob of token t after context c is `mock_logprob(c, t)`, a hash of both, in [-10, -0.01].
 - A prefix cache is modelled the way the engine's radix cache behaves: a request's cached tokens
   are its longest prefix that an earlier request's prompt or output holds, capped one short of
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from stemma.lang.backends.base import Backend, OnText
+from stemma.lang.backends.mock_constraint import constrained_text, pattern_of
 from stemma.lang.codec import TokenCodec
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
@@ -92,7 +96,18 @@ class MockBackend(Backend):
         return self._codec
 
     def _answer(self, ids: list[int], params: SamplingParams) -> tuple[str, list[int], str]:
-        """(text, output ids, finish reason)."""
+        """(text, output ids, finish reason): the reply, cut at a stop string or the budget; under
+        a constraint, kept if it fullmatches, else its characters where the pattern allows them."""
+        text, out_ids, reason = self._reply(ids, params)
+        pattern = pattern_of(params)
+        if pattern is None:
+            return text, out_ids, reason
+        constrained, complete = constrained_text(pattern, ids, params.max_new_tokens, text)
+        if constrained == text and complete:
+            return text, out_ids, "stop"
+        return constrained, self._codec.encode(constrained), "stop" if complete else "length"
+
+    def _reply(self, ids: list[int], params: SamplingParams) -> tuple[str, list[int], str]:
         limit = params.max_new_tokens
         raw = self.reply(self._codec.decode(ids)) if self.reply else default_reply(ids, limit)
         cut = [(raw.find(s), s) for s in params.stop if s in raw]

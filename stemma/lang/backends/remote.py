@@ -16,7 +16,7 @@ from stemma.lang.backends.base import Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
 from stemma.lang.errors import BackendUnreachable
 from stemma.client.sync import Client, connect
-from stemma.client.core import CONNECTION_LOST, RequestTimeout, ServerError
+from stemma.client.core import CONNECTION_LOST, WRONG_PROTOCOL, RequestTimeout, ServerError
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
@@ -53,6 +53,8 @@ class RemoteBackend(Backend):
     def codec(self) -> TokenCodec:
         if self._codec is None:
             try:
+                if hasattr(self.client, "check_protocol"):  # an HttpClient: not at a ZeroMQ port
+                    self.client.check_protocol()
                 info = self.client.info(timeout=self.connect_timeout)
             except RequestTimeout:
                 raise self._unreachable(f"no answer within {self.connect_timeout:g} s") from None
@@ -62,6 +64,8 @@ class RemoteBackend(Backend):
         return self._codec
 
     def _wrap(self, exc: ServerError) -> Exception:
+        if exc.code == WRONG_PROTOCOL:  # reached, but it speaks the other protocol: say which
+            return BackendUnreachable(exc.message)
         return self._unreachable(exc.message) if exc.code == CONNECTION_LOST else exc
 
     async def generate(self, ids: list[int], params: SamplingParams,

@@ -15,6 +15,7 @@ see whole entries; a crash mid-write leaves at most that hidden sibling behind.
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from stemma.loader.gguf.index import GGUFIndex, read_index
 from stemma.loader.gguf.names import check_architecture
 from stemma.paths import GGUF_INDEX_FILE, gguf_entry_dir
+from stemma.progress import stage
 
 INDEX_FILE = GGUF_INDEX_FILE
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,16 @@ def entry_dir(path: Path) -> Path:
 
 def _write_entry(path: Path, target: Path) -> None:
     """Cold path: parse the file three ways and publish the results at `target` atomically."""
+    stage(logger, "first load of %s: reading its tensor index (once; the config, tokenizer and "
+          "index are cached under %s)", path.name, target.parent)
     index = read_index(path)
     check_architecture(index.architecture)
     source = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name,
               "local_files_only": True}
+    stage(logger, "first load of %s: parsing its config from the GGUF header", path.name)
     config = AutoConfig.from_pretrained(**source)
+    stage(logger, "first load of %s: parsing its tokenizer from the GGUF header (the slowest "
+          "step, tens of seconds)", path.name)
     tokenizer = AutoTokenizer.from_pretrained(**source)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -73,6 +81,8 @@ def load_metadata(path: Path) -> CachedMetadata:
         if target.exists():  # not written by us (entries appear whole); rebuild it
             shutil.rmtree(target)
         _write_entry(path, target)
+    else:
+        stage(logger, "reading the cached config, tokenizer and tensor index of %s", path.name)
     index = GGUFIndex.from_json((target / INDEX_FILE).read_text())
     check_architecture(index.architecture)
     config = AutoConfig.from_pretrained(target, local_files_only=True)

@@ -9,6 +9,7 @@ cached (see gguf_cache), and the weights are read through a memory map and dequa
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,9 @@ from stemma.loader.gguf.cache import load_metadata
 from stemma.loader.gguf.dequant import check_supported, dequantize
 from stemma.loader.gguf.index import GGUFIndex, TensorEntry
 from stemma.loader.gguf.names import hf_name, value_fix
+from stemma.progress import stage
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ def _read_tensors(path: Path, index: GGUFIndex, config: PretrainedConfig,
     file = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, file untouched
     if any(e.offset + e.nbytes > file.size for e in index.tensors):
         raise ValueError(f"{path} is shorter than its tensor index says; the file is truncated")
+    stage(logger, "reading and dequantizing %d tensors of %s", len(index.tensors), path.name)
     tensors = {}
     for entry in index.tensors:
         name = hf_name(index.architecture, entry.name)
