@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     from stemma.engine.engine import Engine
     has_field = "speculative" in {f.name for f in fields(EngineConfig)}
     t0 = time.perf_counter()
-    engines = {"off": Engine(**config),
+    engines = {"off": Engine(**config, **({"speculative": "none"} if has_field else {})),
                "on": Engine(**config, **({"speculative": args.speculative} if has_field else {}))}
     if not has_field:
         print("warning: EngineConfig has no `speculative` field; both engines run without speculation",

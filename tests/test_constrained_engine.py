@@ -41,7 +41,8 @@ def folder(tmp_path_factory):
 
 
 def make(folder, **kw):
-    cfg = dict(dtype="float32", kv_pool_tokens=4096, max_running_requests=48, attention_backend="torch")
+    cfg = dict(dtype="float32", kv_pool_tokens=4096, max_running_requests=48, attention_backend="torch",
+               speculative="none")  # step counts below are of plain decoding; speculation is tested on its own
     return stemma.Engine(folder, **{**cfg, **kw})
 
 
@@ -95,6 +96,47 @@ def test_constrained_and_plain_requests_share_the_batch(folder):
     assert len({o.text for o in constrained}) > len(pairs) // 2  # seeded samples differ
     assert engine.scheduler.constrainer.stats.jumps > 0
     engine.check_pool_whole()
+
+
+@pytest.mark.parametrize("jump", [True, False])
+def test_constrained_requests_speculate_with_the_outputs_of_plain_decoding(folder, jump):
+    """Drafts cut where the constraint forbids them, rows masked along the drafts' path: greedy
+    and seeded outputs equal those without speculation. The second pass drafts from the radix
+    tree's cached continuations (the first pass's outputs), so drafts are accepted."""
+    pairs = constrained_params()
+    params = [p.replace(temperature=0.0) if i % 2 else p for i, (p, _) in enumerate(pairs)]
+    prompts = [[9 + i, 30, 31] for i in range(len(pairs))]
+    want = make(folder, enable_jump_forward=jump).generate(prompts, params)
+    on = make(folder, speculative="ngram", enable_jump_forward=jump)
+    on.spec.choose = lambda decodes, cands: [most for _, most in cands]  # every proposal verified
+    for _ in range(2):
+        got = on.generate(prompts, params)
+        for a, b, (_, check) in zip(got, want, pairs):
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), check
+            assert_holds(a.text, check)
+        on.check_pool_whole()
+    stats = on.stats()
+    assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0
+
+
+def test_forced_text_is_a_free_draft_where_jump_forward_does_not_run(folder):
+    """Requests asking for logprobs are never jump-forwarded; with speculation the text their
+    schema forces is drafted and verified, with the same tokens and logprobs as without."""
+    schema = SCHEMAS[0]
+    params = [SamplingParams(json_schema=schema, temperature=t, seed=s, max_new_tokens=96, logprobs=True)
+              for t, s in ((0.0, 0), (1.0, 1), (1.0, 2))]
+    prompts = [[3, 4, 5], [6, 7], [8]]
+    want = make(folder).generate(prompts, params)
+    on = make(folder, speculative="ngram")
+    on.spec.choose = lambda decodes, cands: [most for _, most in cands]
+    got = on.generate(prompts, params)
+    for a, b in zip(got, want):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        jsonschema.validate(json.loads(a.text), schema)
+    forced = on.spec.sources["forced"]
+    assert forced.hits > 10          # forced tokens were drafted and accepted
+    on.check_pool_whole()
 
 
 def test_jump_forward_saves_steps_and_keeps_outputs_valid(folder):

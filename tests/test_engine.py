@@ -16,7 +16,8 @@ def folder(tmp_path_factory):
 
 
 def make(folder, **kw):
-    cfg = dict(dtype="float32", kv_pool_tokens=2048, max_running_requests=16, attention_backend="torch")
+    cfg = dict(dtype="float32", kv_pool_tokens=2048, max_running_requests=16, attention_backend="torch",
+               speculative="none")  # the unspeculated reference; test_speculative turns it on
     cfg.update(kw)
     return stemma.Engine(folder, **cfg)
 

@@ -201,6 +201,47 @@ class Constrainer:
         self.stats.guided_tokens += len(guides)
         self.stats.mask_time += time.perf_counter() - start
 
+    def allowed_drafts(self, req: Request, drafts: list[int]) -> int:
+        """How many of `drafts` (tokens after req's last one) its guide accepts in a row; an end
+        token ends the drafts (a stop is never drafted). The guide is left as it was."""
+        guide, ends = req.constraint, self.vocab().end_ids
+        n = next((j for j, t in enumerate(drafts) if t in ends), len(drafts))
+        taken = guide.accept_many(drafts[:n]) if n else 0
+        if taken:
+            guide.rollback(taken)
+        return taken
+
+    def forced_drafts(self, req: Request, k: int) -> list[int]:
+        """Up to k tokens spelling the bytes req's guide forces from here (the text jump-forward
+        would append), as free drafts: verification keeps them where the model's tokenization
+        agrees, with their logprobs. Empty when nothing is forced."""
+        data = jump_forward.whole_utf8(req.constraint.forced_bytes(jump_forward.FORCED_BYTES_LIMIT))
+        if not data:
+            return []
+        tokens = self.encode(data.decode("utf-8"))[:k]
+        return tokens[:self.allowed_drafts(req, tokens)]
+
+    def mask_path(self, logits: torch.Tensor, guide: Guide, drafts: list[int], rows: Sequence[int]) -> None:
+        """Masks rows[j] as `guide` stands after drafts[:j], each with the budget left there, for
+        the len(drafts) + 1 rows that verify them (allowed_drafts cut them, so every draft is
+        accepted). The guide is left as it was."""
+        budget = guide.budget if self.budget_closure else None
+        taken = 0
+        try:
+            for j, row in enumerate(rows):
+                if budget is not None:
+                    guide.budget = budget - j
+                self.mask(logits, [guide], [row])
+                if j < len(drafts):
+                    if guide.accept_many([drafts[j]]) != 1:
+                        raise RuntimeError(f"the constraint refused draft token {drafts[j]} it had allowed")
+                    taken += 1
+        finally:
+            if taken:
+                guide.rollback(taken)
+            if budget is not None:
+                guide.budget = budget
+
     def _close(self, mask: torch.Tensor, guides: Sequence[Guide]) -> None:
         """Budget closure: narrows each budgeted guide's row to what still completes in time."""
         start = time.perf_counter()

@@ -38,7 +38,7 @@ def plan(guide: Guide, token: int, vocab: TokenVocab, encode: Callable[[str], li
     if not forced:
         return None
     head = vocab.token_bytes[token] or b""
-    text = _whole_utf8(head + forced)
+    text = whole_utf8(head + forced)
     if len(text) <= len(head):
         return None
     ids = encode(text.decode("utf-8"))
@@ -58,7 +58,7 @@ def plan(guide: Guide, token: int, vocab: TokenVocab, encode: Callable[[str], li
     return ids[:keep]
 
 
-def _whole_utf8(data: bytes) -> bytes:
+def whole_utf8(data: bytes) -> bytes:
     """The longest prefix of `data` that is whole UTF-8 characters."""
     try:
         data.decode("utf-8")

@@ -198,7 +198,7 @@ class Scheduler:
             scheduled.update(id(r) for r in decodes)
             plan.decodes = len(decodes)
             if self.spec is not None:
-                self.spec.extend(plan, list(range(len(decodes))))
+                self.spec.extend(plan, list(range(len(decodes))), self.constrainer)
         for req in [r for r in self.running if not r.is_decoding]:
             n = admission.chunk(req.extend_len)
             if n == 0 or not self.retraction.alloc_into(req, n):
@@ -286,11 +286,15 @@ class Scheduler:
             row += count
             first = not req.output_ids
             draft = plan.drafts.get(i)
+            computed = 0  # of `news`, the leading tokens whose KV this step computed
             if draft is not None:  # verified: the accepted drafts (their KV is computed), then one
                 drafts, source = draft
                 end = req.kv_len + len(drafts)
                 news, reason = accepted(drafts, out.token_ids[rows.start:rows.stop]), None
                 self.spec.book(req, source, len(drafts), len(news) - 1)
+                computed = len(news) - 1
+                if req.constraint is not None:
+                    news, reason, computed = self._advance_path(req, news)
             else:
                 # a constrained request may end here, or append forced tokens (jump-forward) in
                 # place of the sampled one; a request asking for logprobs is never jump-forwarded
@@ -302,7 +306,7 @@ class Scheduler:
             for j, tok in enumerate(news):
                 r = rows[min(j, count - 1)]
                 req.append(tok)
-                if draft is not None and j < len(news) - 1:
+                if j < computed:
                     req.kv_len += 1
                 self.counters.generated_tokens += 1
                 if out.logprobs is not None and req.params.logprobs:
@@ -324,6 +328,18 @@ class Scheduler:
                 newly_prompt_done.append(req)
         for req in newly_prompt_done:  # share the prompt with siblings and later requests now
             req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
+
+    def _advance_path(self, req: Request, news: list[int]) -> tuple[list[int], str | None, int]:
+        """A constrained request's verified tokens through its guide, one by one: (the tokens it
+        appends, finish reason, how many lead tokens are accepted drafts). Where the guide ends
+        the request, replaces a token or jumps forward, the tokens after that are dropped (their
+        rows were verified along a path the request no longer takes)."""
+        for j, tok in enumerate(news):
+            got, reason = self.constrainer.advance(req, tok)
+            if got != [tok] or reason is not None:
+                kept = j + (1 if got[:1] == [tok] else 0)
+                return news[:j] + got, reason, min(kept, len(news) - 1)
+        return news, None, len(news) - 1
 
     # ---- release ----
     def _release(self, req: Request) -> None:

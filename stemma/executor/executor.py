@@ -61,10 +61,12 @@ class Executor:
         logits = self.runner.forward(fb)
         out = StepOutput()
         ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()  # request i's rows end at ends[i]
-        rows, sampled = [], []
+        rows, sampled, paths = [], [], []
         for i, (req, n) in enumerate(zip(plan.reqs, plan.counts)):
             if i in plan.drafts:  # every row: each draft position is sampled (verify)
                 drafts = plan.drafts[i][0]
+                if req.constraint is not None:  # its rows are masked along the drafts' path
+                    paths.append((req.constraint, drafts, range(len(rows), len(rows) + len(drafts) + 1)))
                 rows.extend(range(ends[i] - len(drafts) - 1, ends[i]))
                 sampled.extend(virtual_rows(req, drafts))
                 out.counts.append(len(drafts) + 1)
@@ -78,6 +80,8 @@ class Executor:
         if rows:
             if len(rows) != logits.shape[0]:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            for guide, drafts, at in paths:
+                self.constrainer.mask_path(logits, guide, drafts, at)
             self._sample(sampled, logits, out)
         return out
 

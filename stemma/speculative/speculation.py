@@ -76,6 +76,27 @@ class Drafter(Protocol):
         """req gave back its KV (finished or retracted): forget what is kept for it."""
 
 
+FORCED = "forced"         # the source of drafts that spell the text a constraint forces
+FORCED_PRIOR = 0.9        # its acceptance rate before any is measured
+
+
+class Guard(Protocol):
+    """What speculation asks of constrained decoding (stemma.constrained.Constrainer)."""
+
+    def allowed_drafts(self, req: Request, drafts: list[int]) -> int:
+        """How many of `drafts` req's constraint accepts in a row."""
+
+    def forced_drafts(self, req: Request, k: int) -> list[int]:
+        """Up to k tokens of the text req's constraint forces from here (none: nothing forced)."""
+
+
+def _cut(drafts: list[tuple[list[int], str]], reqs: list[Request],
+         guard: Guard | None) -> list[tuple[list[int], str]]:
+    """Each constrained request's drafts up to the first one its constraint forbids."""
+    return [(tokens[:guard.allowed_drafts(req, tokens)] if req.constraint is not None and tokens else tokens,
+             source) for (tokens, source), req in zip(drafts, reqs)]
+
+
 class Speculation:
     def __init__(self, drafter: Drafter, max_tokens: int, max_context: int, cache: RadixCache,
                  req_to_slot: ReqToSlot):
@@ -85,36 +106,45 @@ class Speculation:
         self.req_to_slot = req_to_slot
         self.drafter = drafter
         self.cost = StepCost()
-        self.priors = dict(drafter.sources)
+        self.priors = {**drafter.sources, FORCED: FORCED_PRIOR}
         self.sources = {name: Rate() for name in self.priors}
         self.counters = SpecCounters()
 
     # ---- planning ----
-    def extend(self, plan: StepPlan, indices: list[int]) -> None:
-        """Gives the decoding requests at plan `indices` drafts, when they pay, with their slots."""
+    def extend(self, plan: StepPlan, indices: list[int], guard: Guard | None = None) -> None:
+        """Gives the decoding requests at plan `indices` drafts, when they pay, with their slots.
+        A constrained request speculates only under a `guard`: its drafts stop at the first token
+        its constraint forbids, and where the constraint forces text, that text is its draft."""
         reqs, limits = [], []
         for i in indices:
             req = plan.reqs[i]
             k = min(self.max_tokens, req.remaining_new_tokens - 1, self.max_context - req.kv_len - 2)
-            if k > 0 and not req.params.is_constrained:
+            constrained = req.params.is_constrained
+            if k > 0 and (not constrained or (guard is not None and req.constraint is not None)):
                 if req.spec_state is None:
                     req.spec_state = SpecState()
                 reqs.append((i, req))
                 limits.append(k)
         if not reqs:
             return
+        forced = {}
+        for j, ((_, req), k) in enumerate(zip(reqs, limits)):
+            if req.constraint is not None and (tokens := guard.forced_drafts(req, k)):
+                forced[j] = tokens
         if self.drafter.free:
-            drafts = self.drafter.propose([r for _, r in reqs], limits)
+            drafts = _cut(self.drafter.propose([r for _, r in reqs], limits), [r for _, r in reqs], guard)
+            drafts = [(forced[j], FORCED) if j in forced else d for j, d in enumerate(drafts)]
             lengths = self.choose(len(indices), [(self._alpha(r, src), len(t))
                                                  for (_, r), (t, src) in zip(reqs, drafts)])
         else:
-            (source,) = self.priors
-            lengths = self.choose(len(indices), [(self._alpha(r, source), k)
-                                                 for (_, r), k in zip(reqs, limits)])
-            chosen = [(j, r) for j, r in enumerate(reqs) if lengths[j]]
-            drafts = [([], source)] * len(reqs)
-            for (j, _), d in zip(chosen, self.drafter.propose([r for _, (_, r) in chosen],
-                                                              [lengths[j] for j, _ in chosen])):
+            (source,) = self.drafter.sources
+            lengths = self.choose(len(indices), [
+                (self._alpha(r, FORCED), len(forced[j])) if j in forced else (self._alpha(r, source), k)
+                for j, ((_, r), k) in enumerate(zip(reqs, limits))])
+            chosen = [(j, r) for j, (_, r) in enumerate(reqs) if lengths[j] and j not in forced]
+            drafts = [(forced[j], FORCED) if j in forced else ([], source) for j in range(len(reqs))]
+            proposed = self.drafter.propose([r for _, r in chosen], [lengths[j] for j, _ in chosen])
+            for (j, _), d in zip(chosen, _cut(proposed, [r for _, r in chosen], guard)):
                 drafts[j] = d
         lengths = [min(k, len(t)) for k, (t, _) in zip(lengths, drafts)]
         total = sum(lengths)
