@@ -277,6 +277,10 @@ def test_errors_are_openai_error_objects(server):
                       json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                             "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
                  400, "response_format.json_schema")
+    assert_error(http(server, "POST", "/v1/chat/completions",  # found by schemathesis: was a 500
+                      json={"model": "tiny", "messages": [{"role": "tool", "content": None}],
+                            "add_generation_prompt": False}), 400, "messages")
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "prompt": []}), 400, "prompt")
     assert http(server, "POST", "/v1/completions", json=ok).status_code == 200  # still serving
 
 

@@ -69,6 +69,8 @@ def _start(state: HttpState, req: ChatCompletionRequest) -> G.Run:
     check_model(req.model, state.model_names())
     ids, template = render(state, as_dicts(req.messages), req.add_generation_prompt,
                            req.continue_final_message)
+    if not ids:
+        raise bad_field("messages", "the messages render to an empty prompt (no tokens)")
     prompts = [G.Prompt(ids)]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     extra: dict[str, Any] = {}

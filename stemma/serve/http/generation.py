@@ -56,6 +56,9 @@ def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, strea
           program: str | None = None) -> Run:
     limit = state.engine.context_length
     for i, prompt in enumerate(prompts):
+        if not prompt.ids:
+            raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                            "the prompt is empty: it encodes to no tokens")
         if len(prompt.ids) + (params.max_new_tokens > 0) > limit:
             raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
                             f"the prompt has {len(prompt.ids)} tokens; with max_tokens "
