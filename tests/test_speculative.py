@@ -59,7 +59,10 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match():
     tokens += [1, 2]
     assert idx.lookup(tokens, 2) == [3, 7]              # "6 1 2"? no; "1 2" last seen before "3 7"
     assert NgramIndex().lookup([4, 4], 3) == []         # a suffix never matches itself
-    assert NgramIndex().lookup([4, 4, 4], 3) == [4]
+    assert NgramIndex().lookup([4, 4, 4], 3) == [4, 4, 4]   # the copy runs on past the end
+    assert NgramIndex().lookup([5, 1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]   # period 3
+    assert NgramIndex().lookup([5, 1, 2, 3, 1, 2, 3], 2) == [1, 2]
+    assert NgramIndex().lookup([1, 2, 3, 9, 1, 2], 6) == [3, 9, 1, 2]   # no loop yet: the copy ends
 
 
 def test_tree_continuation_is_read_only_and_follows_the_most_hit_child():

@@ -1,5 +1,6 @@
 """The n-gram drafter (prompt lookup): the tokens that followed the latest earlier occurrence of
-the request's last n tokens (n from MAX_N down to MIN_N), in its own prompt and output; or, first,
+the request's last n tokens (n from MAX_N down to MIN_N), in its own prompt and output, repeating
+on where the copy reaches the end (a loop is drafted as looping on); or, first,
 what the radix tree has cached after all of the request's tokens (another request, or an earlier
 branch of the same program, that went this way before)."""
 from __future__ import annotations
@@ -30,15 +31,28 @@ class NgramIndex:
         self.upto = max(self.upto, end)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """What followed the latest earlier occurrence of the longest matching suffix."""
+        """What followed the latest earlier occurrence of the longest matching suffix, k tokens
+        of it. Where that runs past the end of `tokens` and the text has just repeated its last
+        p = last - end tokens (a loop), the copy goes on copying itself: the loop is drafted as
+        looping on."""
         last = len(tokens) - 1
         self.advance(tokens, last)  # every n-gram but the suffix itself
         for n, seen in self.maps.items():
             if len(tokens) >= n:
                 end = seen.get(tuple(tokens[-n:]))
                 if end is not None:
-                    return tokens[end + 1:end + 1 + k]
+                    if end + k <= last or not _loops(tokens, last - end):
+                        return tokens[end + 1:end + 1 + k]
+                    out: list[int] = []
+                    for j in range(end + 1, end + 1 + k):  # position last + 1 + i copies j
+                        out.append(tokens[j] if j <= last else out[j - last - 1])
+                    return out
         return []
+
+
+def _loops(tokens: list[int], period: int) -> bool:
+    """Whether the last `period` tokens repeat the `period` before them."""
+    return len(tokens) >= 2 * period and tokens[-period:] == tokens[-2 * period:-period]
 
 
 class NgramDrafter:
