@@ -37,8 +37,9 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    # speculation off: the step measured is a plain one-row decode (a verify step has more rows)
     engine = stemma.Engine(quantization=args.quantization, dtype=args.dtype, kv_pool_tokens=4096,
-                           max_running_requests=2)
+                           max_running_requests=2, speculative="none")
     (req,) = engine.submit(list(range(100, 228)),
                            SamplingParams(temperature=0, max_new_tokens=3 * args.steps + 16, ignore_eos=True))
     while not req.is_decoding:
