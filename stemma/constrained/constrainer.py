@@ -206,15 +206,23 @@ class Constrainer:
         token ends the drafts (a stop is never drafted). The guide is left as it was."""
         guide, ends = req.constraint, self.vocab().end_ids
         n = next((j for j, t in enumerate(drafts) if t in ends), len(drafts))
-        taken = guide.accept_many(drafts[:n]) if n else 0
+        if not n:
+            return 0
+        saved = _trial_state(guide)
+        taken = guide.accept_many(drafts[:n])
         if taken:
             guide.rollback(taken)
+        _restore(guide, saved)
         return taken
 
     def forced_drafts(self, req: Request, k: int) -> list[int]:
         """Up to k tokens spelling the bytes req's guide forces from here (the text jump-forward
         would append), as free drafts: verification keeps them where the model's tokenization
-        agrees, with their logprobs. Empty when nothing is forced."""
+        agrees, with their logprobs. Only where jump-forward does not run (a request asking for
+        logprobs, or jump-forward off): elsewhere it has appended that text already. Empty when
+        nothing is forced."""
+        if self.enable_jump_forward and not (req.params.logprobs or req.params.top_logprobs):
+            return []
         data = jump_forward.whole_utf8(req.constraint.forced_bytes(jump_forward.FORCED_BYTES_LIMIT))
         if not data:
             return []
@@ -226,12 +234,14 @@ class Constrainer:
         the len(drafts) + 1 rows that verify them (allowed_drafts cut them, so every draft is
         accepted). The guide is left as it was."""
         budget = guide.budget if self.budget_closure else None
-        taken = 0
+        taken, saved = 0, None
         try:
             for j, row in enumerate(rows):
                 if budget is not None:
                     guide.budget = budget - j
                 self.mask(logits, [guide], [row])
+                if j == 0:  # row 0 is the request's real state: what its mask caches is kept
+                    saved = _trial_state(guide)
                 if j < len(drafts):
                     if guide.accept_many([drafts[j]]) != 1:
                         raise RuntimeError(f"the constraint refused draft token {drafts[j]} it had allowed")
@@ -239,6 +249,8 @@ class Constrainer:
         finally:
             if taken:
                 guide.rollback(taken)
+            if saved is not None:
+                _restore(guide, saved)
             if budget is not None:
                 guide.budget = budget
 
@@ -327,3 +339,18 @@ class Constrainer:
         elif guide.closure_error is not None and req.error is None:
             req.error = guide.closure_error
         return tokens, reason
+
+
+# What a guide's trial walk (accept_many, then rollback to where it was) may change besides its
+# matcher state, which the rollback restores: the budget closure's cached plans and estimate
+# (keyed by a serial that every change bumps) and the flags a hypothetical row's closure sets.
+_TRIAL_FIELDS = ("_serial", "_plan", "_before", "_estimate", "closure_acted", "closure_error")
+
+
+def _trial_state(guide: Guide) -> dict:
+    return {name: getattr(guide, name) for name in _TRIAL_FIELDS if hasattr(guide, name)}
+
+
+def _restore(guide: Guide, saved: dict) -> None:
+    for name, value in saved.items():
+        setattr(guide, name, value)

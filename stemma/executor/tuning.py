@@ -161,9 +161,13 @@ def measure(stores: dict[Shape, WeightStore], dtype: torch.dtype, all_stores: bo
         entry = Entry(kind, out, k)
         for timed in [store, *(_others(store, dtype) if all_stores else [])]:
             for kernel in timed.kernels:
-                entry.times_ms[kernel] = [
-                    _time_ms(timed, kernel, torch.randn(r, k).to(dtype)) for r in ROW_COUNTS]
-        entry.choice = [min(store.kernels, key=lambda kn: entry.times_ms[kn][i]) for i in range(len(ROW_COUNTS))]
+                try:
+                    entry.times_ms[kernel] = [
+                        _time_ms(timed, kernel, torch.randn(r, k).to(dtype)) for r in ROW_COUNTS]
+                except RuntimeError as exc:  # a kernel this CPU cannot run is not a choice
+                    logger.info("kernel %s cannot run a %dx%d %s matrix here: %s", kernel, out, k, kind, exc)
+        usable = [kn for kn in store.kernels if kn in entry.times_ms]
+        entry.choice = [min(usable, key=lambda kn: entry.times_ms[kn][i]) for i in range(len(ROW_COUNTS))]
         entries.append(entry)
     return DispatchTable(cpu_name(), torch.__version__, torch.get_num_threads(), str(dtype), entries,
                          time.perf_counter() - start)

@@ -106,6 +106,9 @@ class CausalLM(nn.Module):
                                  f"model expects {tuple(target.shape)}")
             target.copy_(tensor)
             filled[name] = filled.get(name, 0) + 1
+        for module in self.modules():  # scales cached from the weights are made again
+            if hasattr(module, "forget_cached"):
+                module.forget_cached()
         missing = [n for n in params if filled.get(n, 0) != self._expected_fills(n)]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"

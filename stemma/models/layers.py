@@ -42,8 +42,13 @@ class RMSNorm(nn.Module):
         self._scale_of: tuple | None = None   # (weight, its version) that `_scale` was made from
         self._scale: torch.Tensor | None = None
 
+    def forget_cached(self) -> None:
+        self._scale_of = self._scale = None
+
     def scale(self) -> torch.Tensor:
-        """`offset + weight` in float32, rebuilt whenever the weight changes (loads copy in place)."""
+        """`offset + weight` in float32, made again after a load (CausalLM.load_weights calls
+        forget_cached: it copies through `.data`, which leaves the version alone) or when the
+        weight tensor is replaced or changed in place."""
         key = (self.weight, self.weight._version)
         if self._scale_of is None or self._scale_of[0] is not key[0] or self._scale_of[1] != key[1]:
             self._scale = (self.offset + self.weight.detach().float()).contiguous()
@@ -148,6 +153,9 @@ class Attention(nn.Module):
         v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
         out = ctx.backend.forward(qk[:, :hq], qk[:, hq:], v, lay, ctx.pool)
         return self.o_proj(out.reshape(n, hq * d))
+
+    def forget_cached(self) -> None:
+        self._qk_of = self._qk = None
 
     def qk_scale(self) -> torch.Tensor:
         """[Hq + Hkv, D]: each query head's q-norm scale, then each KV head's k-norm scale."""

@@ -27,8 +27,11 @@ _INT4_BLOCK_N = 64  # rows per block of torch's CPU int4 packing (see _unpack_in
 
 def packing_available(weight: torch.Tensor) -> bool:
     """Whether oneDNN can hold `weight` prepacked (a CPU build with mkldnn, bf16 or fp32)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    # oneDNN reorders bf16 only on CPUs with bf16-capable instructions (as Inductor checks)
+    return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class DenseWeight:
