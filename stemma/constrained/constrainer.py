@@ -268,15 +268,16 @@ class Constrainer:
                 guide.closure_acted = True
         self.stats.closure_time += time.perf_counter() - start
 
-    def advance(self, req: Request, token: int) -> tuple[list[int], str | None]:
+    def advance(self, req: Request, token: int, pending: int = 0) -> tuple[list[int], str | None]:
         """After `token` was sampled for `req`: (tokens to append, finish reason or None).
+        `pending`: tokens before this one that are verified but not yet appended to req.
 
         Sets req.error when the guide refuses the token (finish reason "error"); the mask makes
         that a bug, but it ends one request, never the batch."""
         guide, vocab = req.constraint, self._vocab
         budget = guide.budget if self.budget_closure else None
         if token in vocab.end_ids:
-            return self._took(req, [token], "stop", budget)  # allowed only where the guide is final
+            return self._took(req, pending, [token], "stop", budget)  # allowed only where the guide is final
         if not guide.accept(token):
             req.error = f"the constraint refused token {token}: {guide.error}"
             return [], "error"
@@ -289,18 +290,18 @@ class Constrainer:
                 guide.closure_acted = True
                 token = swap
                 if token in vocab.end_ids:
-                    return self._took(req, [token], "stop", budget)
+                    return self._took(req, pending, [token], "stop", budget)
         if guide.is_terminated():
-            return self._took(req, [token], "stop", budget)
+            return self._took(req, pending, [token], "stop", budget)
         if not self.enable_jump_forward or req.params.logprobs or req.params.top_logprobs:
-            return self._took(req, [token], None, budget)  # logprob requests sample every token
+            return self._took(req, pending, [token], None, budget)  # logprob requests sample every token
         try:
             tokens = jump_forward.plan(guide, token, vocab, self.encode)
         except RuntimeError as exc:
             req.error = str(exc)
             return [token], "error"
         if tokens is None:
-            return self._took(req, [token], None, budget)
+            return self._took(req, pending, [token], None, budget)
         if budget is not None and not self._jump_fits(guide, len(tokens), budget):
             guide.rollback(len(tokens))  # the forced tokens would overrun: sample them instead
             if not guide.accept(token):
@@ -308,10 +309,10 @@ class Constrainer:
                 return [token], "error"
             self.stats.refused_jumps += 1
             guide.closure_acted = True
-            return self._took(req, [token], None, budget)
+            return self._took(req, pending, [token], None, budget)
         self.stats.jumps += 1
         self.stats.forced_tokens += len(tokens) - 1
-        return self._took(req, tokens, "stop" if guide.is_terminated() else None, budget)
+        return self._took(req, pending, tokens, "stop" if guide.is_terminated() else None, budget)
 
     def _jump_fits(self, guide: Guide, count: int, budget: int) -> bool:
         start = time.perf_counter()
@@ -319,7 +320,7 @@ class Constrainer:
         self.stats.closure_time += time.perf_counter() - start
         return fits
 
-    def _took(self, req: Request, tokens: list[int], reason: str | None,
+    def _took(self, req: Request, pending: int, tokens: list[int], reason: str | None,
               budget: int | None) -> tuple[list[int], str | None]:
         """Books the budget: what is left after `tokens`, where closure first acted, and whether
         the request ends knowing that its budget could not be met."""
@@ -329,7 +330,7 @@ class Constrainer:
         guide.budget = budget - len(tokens)
         if guide.closure_acted and not guide.closure_logged:
             guide.closure_logged = True
-            self.closure_starts[req.rid] = len(req.output_ids)
+            self.closure_starts[req.rid] = len(req.output_ids) + pending
             self.stats.closed_requests += 1
             while len(self.closure_starts) > CLOSURE_LOG:
                 self.closure_starts.popitem(last=False)

@@ -335,7 +335,7 @@ class Scheduler:
         the request, replaces a token or jumps forward, the tokens after that are dropped (their
         rows were verified along a path the request no longer takes)."""
         for j, tok in enumerate(news):
-            got, reason = self.constrainer.advance(req, tok)
+            got, reason = self.constrainer.advance(req, tok, pending=j)
             if got != [tok] or reason is not None:
                 kept = j + (1 if got[:1] == [tok] else 0)
                 return news[:j] + got, reason, min(kept, len(news) - 1)
