@@ -108,7 +108,8 @@ def test_an_http_client_at_the_zeromq_port_is_one_warning_line(folder, tmp_path,
     ipc = f"ipc://{tmp_path}/"
     spec = GatewaySpec(address="tcp://127.0.0.1:0", requests=ipc + "req", outputs=ipc + "out",
                        engine_pid=os.getpid())
-    gateway = Gateway(spec, zmq.Context.instance())
+    ctx = zmq.Context()  # its own: the process's shared context stays as the other tests left it
+    gateway = Gateway(spec, ctx)
     try:
         gateway.open(P.EngineReady(model=folder, context_length=128, vocab_size=96))
         port = int(gateway.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
@@ -129,3 +130,4 @@ def test_an_http_client_at_the_zeromq_port_is_one_warning_line(folder, tmp_path,
         assert "an HTTP client belongs on the HTTP port" in records[0].getMessage()
     finally:
         gateway.close()
+        ctx.destroy(linger=0)
