@@ -145,7 +145,7 @@ def test_good_addresses_make_clients_without_connecting():
 def test_a_port_that_speaks_the_other_protocol_is_named(tmp_path):
     import socket
     import threading
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()  # its own: a socket that took HTTP bytes must not share the process's context
     router = ctx.socket(zmq.ROUTER)
     zport = router.bind_to_random_port("tcp://127.0.0.1")
     listener = socket.create_server(("127.0.0.1", 0))
@@ -177,6 +177,7 @@ def test_a_port_that_speaks_the_other_protocol_is_named(tmp_path):
     finally:
         listener.close()
         router.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 # ---- 6. the mock honours constraints ----
@@ -254,7 +255,8 @@ def test_peer_watch_takes_frames_of_an_http_client_at_the_zeromq_port():
     not keep (EINVAL): seen() skips them instead of raising (the gateway's old traceback)."""
     import socket
     from stemma.serve.peer_watch import PeerWatch, configure, source_fd
-    router = zmq.Context.instance().socket(zmq.ROUTER)
+    ctx = zmq.Context()  # its own: a socket that took HTTP bytes must not share the process's context
+    router = ctx.socket(zmq.ROUTER)
     configure(router)
     watch = PeerWatch(router)
     port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -269,6 +271,7 @@ def test_peer_watch_takes_frames_of_an_http_client_at_the_zeromq_port():
         assert watch.first_strange(frames[0].bytes) and not watch.first_strange(frames[0].bytes)
     watch.close()
     router.close(linger=0)
+    ctx.destroy(linger=0)
 
 
 # ---- 8. dir(stemma) ----
