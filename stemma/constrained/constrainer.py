@@ -204,7 +204,7 @@ class Constrainer:
     def allowed_drafts(self, req: Request, drafts: list[int]) -> int:
         """How many of `drafts` (tokens after req's last one) its guide accepts in a row; an end
         token ends the drafts (a stop is never drafted). The guide is left as it was."""
-        guide, ends = req.constraint, self.vocab().end_ids
+        guide, ends = req.constraint, self._vocab.end_ids  # built: req has a guide
         n = next((j for j, t in enumerate(drafts) if t in ends), len(drafts))
         if not n:
             return 0

@@ -56,9 +56,6 @@ def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, strea
           program: str | None = None) -> Run:
     limit = state.engine.context_length
     for i, prompt in enumerate(prompts):
-        if not prompt.ids:
-            raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
-                            "the prompt is empty: it encodes to no tokens")
         if len(prompt.ids) + (params.max_new_tokens > 0) > limit:
             raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
                             f"the prompt has {len(prompt.ids)} tokens; with max_tokens "
@@ -177,6 +174,10 @@ def tokenize(state: HttpState, text: str, field_name: str) -> list[int]:
 
 
 def check_ids(state: HttpState, ids: list[int], field_name: str) -> list[int]:
+    """Token ids as the client gave them; empty or out-of-vocabulary ones are a 400 naming the
+    field (text prompts get the same rule from encode_prompt)."""
+    if not ids:
+        raise bad_field(field_name, f"{field_name} must hold at least one token")
     vocab = state.engine.vocab_size
     bad = [t for t in ids if t >= vocab]
     if bad:

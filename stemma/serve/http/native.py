@@ -35,8 +35,6 @@ async def generate(state: HttpState, req: GenerateRequest, request: Request):
     params = native_params(req.sampling_params)
     ids = (G.check_ids(state, req.input_ids, "input_ids") if req.input_ids is not None
            else G.tokenize(state, req.text, "text"))
-    if not ids:
-        raise bad_field("input_ids" if req.input_ids is not None else "text", "the prompt is empty: no tokens")
     run = G.start(state, [G.Prompt(ids, req.text)], params, req.stream, req.program)
     rid = req.rid or next(iter(run.rids))
 
