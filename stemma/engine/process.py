@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 IDLE_POLL_MS = 250
 MAX_INTAKE = 512          # messages taken in between two steps, so that steps are not starved
 SEND_TIMEOUT_MS = 10_000  # a gateway that stops reading for this long is taken for dead
+HEARTBEAT_PERIOD_S = 1.0  # the longest the loop stays silent between two steps once ready
 
 logger = logging.getLogger("stemma.engine.process")  # not __name__: that is __main__ under -m
 
@@ -65,6 +68,7 @@ class EngineLoop:
         self.live: dict[str, Live] = {}           # engine rid -> sequence
         self.groups: dict[str, list[str]] = {}    # gateway rid -> engine rids of its n sequences
         self.outbox: list[P.Message] = []
+        self.next_beat = 0.0
 
     # ---- intake ----
     def handle(self, msg: P.Message) -> None:
@@ -134,6 +138,14 @@ class EngineLoop:
             self.send(P.Batch(items=self.outbox))
             self.outbox = []
 
+    def beat(self) -> None:
+        """A Heartbeat once HEARTBEAT_PERIOD_S has passed since the last one: the gateway's proof
+        that this loop still turns (a step longer than its engine timeout reads as a hang)."""
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.next_beat = now + HEARTBEAT_PERIOD_S
+            self.send(P.Heartbeat(sent=now))
+
     # ---- the loop ----
     def take_in(self, timeout_ms: int) -> None:
         if not self.requests.poll(timeout_ms):
@@ -165,6 +177,7 @@ class EngineLoop:
             if self.live and not self.step():
                 self.take_in(1)  # dynamic batching waits for its window: doze, but wake on input
             self.flush()
+            self.beat()
 
 
 def _connect(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
@@ -194,7 +207,7 @@ def main(spec_json: str | None = None) -> int:
     outputs = _connect(ctx, zmq.PUSH, spec["outputs"])
     loop = EngineLoop(engine, requests, outputs)
     loop.send(P.EngineReady(model=str(engine.loaded.source), context_length=engine.runner.max_context,
-                             vocab_size=engine.loaded.spec.vocab_size))
+                             vocab_size=engine.loaded.spec.vocab_size, pid=os.getpid()))
     logger.debug("ready: %s, context length %d", engine.loaded.source, engine.runner.max_context)
     try:
         loop.run(lambda: stop["now"] or parent.orphaned())

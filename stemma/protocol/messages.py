@@ -2,7 +2,7 @@
 
     client ── GenerateReq / Abort / FlushCache / GetInfo / GetCacheTree / Health ──▶ gateway ──▶ engine
     client ◀─ TokenChunk / Finished / ErrorMsg / FlushDone / Info / CacheTree / HealthOk ── gateway ◀── engine
-    gateway ◀── EngineReady, Batch(TokenChunk | Finished | ErrorMsg) ── engine
+    gateway ◀── EngineReady, Heartbeat, Batch(TokenChunk | Finished | ErrorMsg) ── engine
 
 Between the client and the gateway a message travels as two frames, [api key, body];
 between the gateway and the engine, as the body alone.
@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
-__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Batch', 'CLIENT_REQUESTS']
+__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'Batch', 'CLIENT_REQUESTS']
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
@@ -228,6 +228,16 @@ class EngineReady(Message):
     model: str
     context_length: int
     vocab_size: int
+    pid: int = 0                   # the engine process, which the gateway watches
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    """The engine loop is alive: sent between steps at least every HEARTBEAT_PERIOD_S once ready.
+    A gateway that hears nothing from the engine for longer than its engine timeout takes it for
+    hung."""
+    TAG: ClassVar[str] = "heartbeat"
+    sent: float                    # the engine's time.monotonic() at sending
 
 
 @dataclass(frozen=True, kw_only=True)

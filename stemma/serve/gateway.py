@@ -314,6 +314,8 @@ class Gateway:
     # ---- from the engine ----
     def on_engine(self, frame: zmq.Frame) -> None:
         msg = P.decode(frame.bytes, max_bytes=1 << 62)  # trusted, and may be large
+        if isinstance(msg, P.Heartbeat):
+            return
         for item in msg.items if isinstance(msg, P.Batch) else [msg]:
             pending = self.routes.get(item.rid)
             if pending is None:  # its client is gone (the engine still says how it ended)
