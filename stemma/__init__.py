@@ -16,6 +16,8 @@ _LAZY = {
     "connect": ("stemma.client.sync", "connect"),
     "Client": ("stemma.client.sync", "Client"),
     "ServerError": ("stemma.client.core", "ServerError"),
+    "RequestTimeout": ("stemma.client.core", "RequestTimeout"),
+    "Unreachable": ("stemma.client.core", "Unreachable"),
     "Runtime": ("stemma.serve.runtime", "Runtime"),
     # the frontend language (with SGLang's names: `import stemma as sgl`, docs/from-sglang.md)
     **{name: ("stemma.lang", name) for name in (

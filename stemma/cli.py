@@ -11,6 +11,7 @@ from stemma.lang.escapes import unescape
 from stemma.log import LEVELS, configure as configure_logging
 from stemma.progress import elapsed, stage
 from stemma.serve.launch import ServeConfig
+from stemma.serve.supervisor import Supervision
 from stemma.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 # The commands sample greedily by default (temperature 0), unlike SamplingParams (1.0) and run():
 # a command line is for trying a model, where the same input should give the same output.
 _GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
+_SERVE_OWN_FLAGS = ("supervision",)  # ServeConfig fields that are dataclasses with flags of their own
 
 
 def _engine(ns):
@@ -74,8 +76,10 @@ def cmd_generate(ns) -> int:
 
 def cmd_serve(ns) -> int:
     from stemma.serve.launch import serve
+    supervision = Supervision(**collect(ns, Supervision))
     return serve(EngineConfig.from_kwargs(**collect(ns, EngineConfig)),
-                 ServeConfig(**collect(ns, ServeConfig)), ns.log_level)
+                 ServeConfig(**collect(ns, ServeConfig, _SERVE_OWN_FLAGS), supervision=supervision),
+                 ns.log_level)
 
 
 _PROGRAM_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
@@ -186,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(gen, "info")
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", usage="%(prog)s [options]", help="serve the model over HTTP (the OpenAI API) and ZeroMQ (stemma.connect)")
-    add_dataclass_args(srv, ServeConfig)
+    add_dataclass_args(srv, ServeConfig, skip=_SERVE_OWN_FLAGS)
+    add_dataclass_args(srv, Supervision)
     add_dataclass_args(srv, EngineConfig)
     _add_log_level(srv, "info")
     srv.set_defaults(func=cmd_serve)

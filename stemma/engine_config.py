@@ -55,14 +55,34 @@ class EngineConfig:
                                    "(stemma.speculative)")
     speculative_max_tokens: int = doc(8, f"most draft tokens a request verifies in one step; in "
                                          f"[1, {MAX_DRAFT_TOKENS}]")
+    # limits on one request (stemma.engine.limits): past one, submission fails naming it
+    max_prompt_tokens: int | None = doc(None, "longest prompt in tokens; not given: the context "
+                                              "length less one")
+    max_new_tokens_limit: int | None = doc(None, "largest max_new_tokens a request may ask; not "
+                                                 "given: any (the context ends every output)")
+    max_n: int = doc(64, "most outputs one request may sample (its n)")
+    max_stop_strings: int = doc(64, "most stop strings one request may give")
+    max_stop_chars: int = doc(1024, "longest stop string, in characters")
+    max_logit_bias: int = doc(1024, "most logit_bias entries one request may give")
+    max_prompt_logprobs: int = doc(4096, "most prompt positions one request may score (its prompt "
+                                         "length less logprob_start)")
+    constraint_timeout_s: float = doc(60.0, "seconds a regex, JSON schema or grammar may take to "
+                                            "compile (both its check and its build); past it the "
+                                            "request fails")
 
     def __post_init__(self):
         def positive(name):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_pool_tokens", "max_running_requests", "max_prefill_tokens", "lpm_fallback_queue",
-                     "constraint_cache_size"):
+                     "constraint_cache_size", "max_n", "max_stop_strings", "max_stop_chars",
+                     "max_logit_bias", "max_prompt_logprobs"):
             positive(name)
+        for name in ("max_prompt_tokens", "max_new_tokens_limit"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if not self.constraint_timeout_s > 0:
+            raise ValueError(f"constraint_timeout_s must be > 0, got {self.constraint_timeout_s}")
         for f in fields(self):
             allowed, value = f.metadata.get("choices"), getattr(self, f.name)
             if allowed is not None and value not in allowed:

@@ -45,6 +45,11 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: serve's gateway, and the gateway's engine."""
+    return [p for c in children(pid) for p in (c, *descendants(c))]
+
+
 def cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode()
@@ -88,7 +93,7 @@ class HttpServed:
                 break
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
             time.sleep(0.05)
-        self.children = children(self.proc.pid)
+        self.children = descendants(self.proc.pid)  # the gateway and its engine
 
     def stop(self) -> int:
         """SIGINT (a clean shutdown); returns serve's exit status, killing what outlives 30 s."""

@@ -106,8 +106,7 @@ def test_an_http_client_at_the_zeromq_port_is_one_warning_line(folder, tmp_path,
     from stemma.serve.gateway import Gateway, GatewaySpec, logger
     monkeypatch.setattr(logger, "disabled", False)  # an in-process uvicorn's dictConfig disables it
     ipc = f"ipc://{tmp_path}/"
-    spec = GatewaySpec(address="tcp://127.0.0.1:0", requests=ipc + "req", outputs=ipc + "out",
-                       engine_pid=os.getpid())
+    spec = GatewaySpec(address="tcp://127.0.0.1:0", requests=ipc + "req", outputs=ipc + "out")
     ctx = zmq.Context()  # its own: the process's shared context stays as the other tests left it
     gateway = Gateway(spec, ctx)
     try:

@@ -277,3 +277,19 @@ def test_static_batching_waits_for_the_whole_batch():
         h.step()
     h.run()
     assert a.finished and c.output_ids == expected([5, 6], 1)
+
+
+def test_a_request_retracted_by_an_earlier_chunk_of_its_step_is_not_scheduled_again():
+    """Found by test_any_schedule_...: static batching admits r2 and r3 with no tokens; when the
+    pool runs short, r2's allocation retracts r3 and then r2 itself, and r3, already waiting,
+    must not be allocated (or retracted) again: it was queued twice and a freed row written."""
+    h = Harness(pool=40, max_running=4, chunked_prefill_size=None, max_prefill_tokens=8,
+                schedule_policy="fcfs", batching="static", enable_radix_cache=False,
+                kv_reserve_ratio=0.0)
+    base = [1, 2, 3, 4, 5, 6]
+    reqs = [h.add("r0", base + [0] * 7, 3), h.add("r1", base + [0] * 10, 2),
+            h.add("r2", base + [0] * 3, 0), h.add("r3", base + [0] * 3, 0)]
+    h.run()
+    assert h.scheduler.counters.retractions >= 2
+    for r in reqs:
+        assert r.finished and r.output_ids == expected(r.input_ids, r.params.max_new_tokens)

@@ -44,12 +44,15 @@ def folder(tmp_path_factory):
 
 
 class Served(HttpServed):
-    """HttpServed with a ZeroMQ client (`client`); its two children are known (`child`)."""
+    """HttpServed with a ZeroMQ client (`client`); its gateway and the gateway's engine are known
+    (`children`, `child`)."""
 
     def __init__(self, folder, *extra):
         super().__init__(folder, *extra)
         self.client = stemma.connect(self.address, api_key=KEY if "--api-key" in extra else None)
         assert self.client.health(timeout=30)
+        (gateway,) = [p for p in self.children if "stemma.serve.gateway" in cmdline(p)]
+        self.children = [gateway, *children(gateway)]  # the engine is the gateway's child
         assert len(self.children) == 2
 
     def child(self, module: str) -> int:
@@ -246,8 +249,8 @@ def test_wrong_api_key_and_bad_envelope(server, raw):
     assert isinstance(exchange(raw, good), P.Finished)
 
 
-def test_killing_the_engine_fails_waiting_clients_and_serve(folder):
-    served = Served(folder)
+def test_killing_the_engine_with_no_restart_fails_waiting_clients_and_serve(folder):
+    served = Served(folder, "--no-restart")
     try:
         stream = served.client.stream([5, 6, 7], LONG, timeout=30)
         next(iter(stream))
@@ -258,6 +261,9 @@ def test_killing_the_engine_fails_waiting_clients_and_serve(folder):
                 pass
         assert time.monotonic() - start < 5
         assert info.value.code in (P.ENGINE_DEAD, "connection_lost")
+        if info.value.code == P.ENGINE_DEAD:
+            assert "killed by signal 9 (SIGKILL)" in str(info.value)
+            assert "not restarting it (--no-restart)" in str(info.value)
         assert served.proc.wait(20) != 0
     finally:
         served.stop()
@@ -267,14 +273,14 @@ def test_killing_the_engine_fails_waiting_clients_and_serve(folder):
 def test_runtime_starts_serves_cancels_and_stops(folder, engine, reference):
     prompts, params = make_prompts()
     def server_children():  # other tests' embedded runtimes may live in this process too
-        return {p for p in children(os.getpid())
-                if any(m in cmdline(p) for m in ("stemma.engine.process", "stemma.serve.gateway"))}
+        return {p for p in children(os.getpid()) if "stemma.serve.gateway" in cmdline(p)}
 
     before = server_children()
     with stemma.Runtime(folder, **ENGINE) as rt:
         assert rt.address.startswith("ipc://") and rt.running
-        pids = sorted(server_children() - before)
-        assert len(pids) == 2
+        (gateway,) = server_children() - before
+        pids = [gateway, *children(gateway)]  # the gateway runs the engine
+        assert len(pids) == 2 and "stemma.engine.process" in cmdline(pids[1])
         assert rt.client.generate(prompts[3], params[3]).token_ids == reference[3][0]
         scored = dict(GREEDY, logprobs=True, top_logprobs=2, logprob_start=0)
         served, local = rt.client.generate([5, 6, 7], scored), engine.generate([5, 6, 7], scored)

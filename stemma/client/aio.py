@@ -12,8 +12,8 @@ import zmq
 import zmq.asyncio
 
 from stemma import protocol as P
-from stemma.client.core import (ClientBase, ClientCore, Op, RequestTimeout, Run, StreamBase, drain,
-                                monitor_error, open_socket)
+from stemma.client.core import (ClientBase, ClientCore, Op, Run, StreamBase, close_socket, drain,
+                                open_socket)
 
 
 class AsyncStream(StreamBase):
@@ -47,13 +47,14 @@ class _Inbox(asyncio.Queue):
 class AsyncClient(ClientBase):
     _stream = AsyncStream
 
-    def __init__(self, address: str, key: bytes, timeout: float | None):
+    def __init__(self, address: str, key: bytes, timeout: float | None,
+                 connect_timeout: float | None):
         self.address = address
         self.timeout = timeout
         self._loop = asyncio.get_running_loop()
         ctx = zmq.asyncio.Context.shadow(zmq.Context.instance().underlying)
         self._sock, self._monitor = open_socket(ctx, address)
-        self._core = ClientCore(address, key, self._send, _Inbox)
+        self._core = ClientCore(address, key, self._send, _Inbox, connect_timeout)
         self._poller = zmq.asyncio.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -61,21 +62,22 @@ class AsyncClient(ClientBase):
 
     # ---- the transport ----
     async def _read(self) -> None:
-        """The reader task."""
+        """The reader task. Its only await is the poll, so a send may take in traffic too."""
         while True:
-            events = dict(await self._poller.poll())
-            failed = None
-            if self._monitor in events:
-                failed = monitor_error(self.address, await self._monitor.recv_multipart())
-            self._core.received(drain(self._recv_ready), failed)
+            await self._poller.poll()
+            self._take_in()
 
-    def _recv_ready(self, flags: int) -> list[bytes]:
-        # a non-blocking receive on an asyncio socket is a future that is already done
-        return self._sock.recv_multipart(flags).result()
+    def _take_in(self) -> None:
+        """Hands the core every reply and monitor event there is, without waiting."""
+        self._core.received(drain(lambda flags: _ready(self._sock, flags)),
+                            drain(lambda flags: _ready(self._monitor, flags)))
 
     def _send(self, frames: list[bytes]) -> None:
-        """Sends without awaiting: DEALER queues are deep, and this must also work while unwinding
-        a cancelled task."""
+        """Sends after taking in what arrived (see ClientCore.start), without awaiting: the send
+        queue is unbounded (see open_socket), and this must also work while unwinding a
+        cancelled task."""
+        if not self._sock.closed:
+            self._take_in()
         self._sock.send_multipart(frames).add_done_callback(_raise_later)
 
     def _alive(self) -> bool:
@@ -89,11 +91,18 @@ class AsyncClient(ClientBase):
 
     async def _next(self, rid: str, timeout: float | None) -> P.Message | BaseException:
         """The next reply to request `rid`, or what ended the wait: a RequestTimeout after
-        `timeout` seconds, a cancellation (thrown on into the operation, which re-raises it)."""
+        `timeout` seconds, an Unreachable after the connect timeout (see WaitClock), a
+        cancellation (thrown on into the operation, which re-raises it)."""
         try:
-            return await asyncio.wait_for(self._core.inbox(rid).get(), timeout)
-        except asyncio.TimeoutError:
-            return RequestTimeout(timeout)
+            inbox = self._core.inbox(rid)
+            clock = self._core.clock(timeout, self._loop.time())
+            while inbox.empty():
+                left = clock.left(self._loop.time())
+                try:
+                    return await asyncio.wait_for(inbox.get(), left)
+                except asyncio.TimeoutError:
+                    continue  # clock.left raises if a limit has passed (else the connect limit lifted)
+            return inbox.get_nowait()
         except BaseException as exc:
             return exc
 
@@ -104,8 +113,13 @@ class AsyncClient(ClientBase):
         if not self._loop.is_closed():
             for task in self._tasks:
                 task.cancel()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        close_socket(self._sock, self._monitor, linger=0)
+
+
+def _ready(sock: zmq.asyncio.Socket, flags: int) -> list[bytes]:
+    """A non-blocking receive: on an asyncio socket, a future that is already done (zmq.Again
+    when nothing is there)."""
+    return sock.recv_multipart(flags).result()
 
 
 def _raise_later(future: asyncio.Future) -> None:

@@ -9,10 +9,17 @@ sync.Client (zmq.Poller) or aio.AsyncClient (zmq.asyncio), only sends frames, wa
 reply of a request and closes; its `_run` drives an operation (see `Run`) and returns its value,
 or, for the async one, an awaitable of it.
 
+No call hangs: until the socket's connection has completed its ZeroMQ handshake, every wait is
+also bounded by the connect timeout (an Unreachable error naming the address); once connected,
+ZeroMQ heartbeats turn a server that went away into a lost connection within seconds, which fails
+every request waiting on the socket. ZeroMQ reconnects by itself, and a call made while it has no
+connection gets the connect timeout again (see WaitClock).
+
 Torch-free: a client imports zmq, msgpack and stemma's light modules only.
 """
 from __future__ import annotations
 
+import numbers
 import uuid
 from collections import deque
 from typing import Any, Callable, Generator, Iterable, Sequence
@@ -27,12 +34,17 @@ from stemma.sampling_params import SamplingParams
 
 CONNECTION_LOST = "connection_lost"
 WRONG_PROTOCOL = "wrong_protocol"  # the address answered, in another protocol than the client's
-# what the monitor of a client's socket reports: the connection dropped, or the peer answered but
-# its greeting was not ZeroMQ's (an HTTP server, say)
-MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+UNREACHABLE = "unreachable"  # no server completed a connection within the connect timeout
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+# what the monitor of a client's socket reports: a connection completed its handshake, it dropped,
+# or the peer answered but its greeting was not ZeroMQ's (an HTTP server, say)
+MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+EXPECTED_PROMPTS = ("one prompt (a str, or a non-empty list of int token ids) or a list of prompts "
+                    "(strs and/or non-empty lists of int token ids)")
 
 Prompt = str | Sequence[int]
+Prompts = Prompt | Sequence[Prompt]
 Params = SamplingParams | dict | None
 Wait = tuple[str, float | None]  # what an operation waits for: the next reply to rid, within timeout s
 Op = Generator[Wait, P.Message, Any]
@@ -54,9 +66,28 @@ class RequestTimeout(ServerError, TimeoutError):
         super().__init__("timeout", f"no reply from the server within {seconds:g} s")
 
 
+class Unreachable(RequestTimeout):
+    """No server completed a connection within the connect timeout; code UNREACHABLE. A kind of
+    RequestTimeout: the request may still reach a server that comes up later, so it is aborted."""
+
+    def __init__(self, message: str):
+        ServerError.__init__(self, UNREACHABLE, message)
+
+
+def unreachable(address: str, seconds: float) -> Unreachable:
+    return Unreachable(f"no ZeroMQ server answered at {address} within the connect timeout of "
+                       f"{seconds:g} s (is `stemma serve` running there, and is this its --zmq-port?)")
+
+
+def check_connect_timeout(seconds: float | None) -> float | None:
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"connect_timeout must be > 0 seconds (or None: no limit), got {seconds!r}")
+    return seconds
+
+
 def unhealthy(exc: ServerError) -> bool:
-    """Whether a failed health call means "not serving" (a timeout, a lost connection, a dead or
-    stopping engine) rather than an error to raise (a wrong API key)."""
+    """Whether a failed health call means "not serving" (a timeout, an unreachable address, a lost
+    connection, a dead or stopping engine) rather than an error to raise (a wrong API key)."""
     return isinstance(exc, RequestTimeout) or exc.code in (CONNECTION_LOST, P.ENGINE_DEAD, P.SHUTTING_DOWN)
 
 
@@ -67,16 +98,33 @@ def new_rid() -> str:
 def open_socket(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, zmq.Socket]:
     """A DEALER connected to `address`, and a monitor that reports when its connection drops.
 
-    Its receive queue is unbounded, so a client that reads slowly never loses a chunk. ZeroMQ
-    heartbeats detect a server that vanished without closing the connection."""
+    Its receive queue is unbounded, so a client that reads slowly never loses a chunk; so is its
+    send queue, so a send never blocks: requests to a server not reached yet wait there until the
+    connect timeout fails them. ZeroMQ heartbeats detect a server that vanished without closing
+    the connection."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    monitor = sock.get_monitor_socket(MONITORED)
+    # an inproc address of its own: pyzmq's default derives it from the socket's descriptor,
+    # which the monitor endpoint of a socket closed just before may still hold (EADDRINUSE)
+    monitor = sock.get_monitor_socket(MONITORED, addr=f"inproc://stemma-client-monitor-{uuid.uuid4().hex}")
     sock.connect(address)
     return sock, monitor
+
+
+def close_socket(sock: zmq.Socket, monitor: zmq.Socket, linger: int) -> None:
+    """Closes what open_socket opened: stops the monitor (which releases its endpoint), closes
+    the monitor's socket, then the DEALER, which keeps unsent frames for `linger` ms."""
+    if not sock.closed:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+    monitor.close(linger=0)
+    sock.close(linger=linger)
 
 
 def drain(recv: Callable[[int], list[bytes]]) -> Iterable[list[bytes]]:
@@ -101,9 +149,12 @@ def not_zmq(address: str) -> P.ErrorMsg:
         f"{http} for HTTP, or to the server's ZeroMQ port (stemma serve --zmq-port) with tcp://"))
 
 
-def monitor_error(address: str, event: list[bytes]) -> P.ErrorMsg:
-    """What a monitor event (one of MONITORED) means for the requests waiting on the socket."""
-    if parse_monitor_message(event)["event"] == zmq.EVENT_DISCONNECTED:
+def monitor_error(address: str, event: int) -> P.ErrorMsg | None:
+    """What a monitor event (one of MONITORED) means for the requests waiting on the socket:
+    nothing for a completed handshake, else the error each of them gets."""
+    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        return None
+    if event == zmq.EVENT_DISCONNECTED:
         return lost(address)
     return not_zmq(address)
 
@@ -131,8 +182,80 @@ def generate_request(prompt: Prompt, params: Params, stream: bool, rid: str | No
     rid = rid or new_rid()
     if isinstance(prompt, str):
         return P.GenerateReq(rid=rid, prompt=prompt, params=params, stream=stream, salt=salt)
+    if not is_one_prompt(prompt):
+        raise ValueError(f"expected one prompt (a str or a non-empty list of int token ids; a "
+                         f"stream takes one prompt), got {describe(prompt)}")
     return P.GenerateReq(rid=rid, input_ids=[int(t) for t in prompt], params=params, stream=stream,
                          salt=salt)
+
+
+# ---- what generate accepts: Engine.generate's rules (stemma.engine.engine.is_single) ----
+def is_one_prompt(prompt: object) -> bool:
+    """Text, or a non-empty sequence of ints (token ids), is one prompt."""
+    return isinstance(prompt, str) or (
+        isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and len(prompt) > 0
+        and all(isinstance(t, numbers.Integral) for t in prompt))
+
+
+def describe(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def split_prompts(prompts: object) -> tuple[list[Prompt], bool]:
+    """The prompts of a generate call, and whether it was given one prompt rather than a list.
+    A list of prompts may mix text and token ids; an empty list is no prompts, as for Engine.
+    Anything else (a list mixing ids and prompts, an empty id list among prompts) is a
+    ValueError saying what was expected."""
+    if is_one_prompt(prompts):
+        return [prompts], True
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"generate expected {EXPECTED_PROMPTS}, got {describe(prompts)}")
+    ints = [t for t in prompts if isinstance(t, numbers.Integral)]
+    if ints:
+        odd = next(t for t in prompts if not isinstance(t, numbers.Integral))
+        raise ValueError(f"generate expected {EXPECTED_PROMPTS}; the list mixes int token ids "
+                         f"with {describe(odd)}")
+    for i, prompt in enumerate(prompts):
+        if not is_one_prompt(prompt):
+            raise ValueError(f"generate expected {EXPECTED_PROMPTS}; item {i} of the list is "
+                             f"{describe(prompt)}, which is neither")
+    return list(prompts), False
+
+
+def params_per_prompt(params: Params | Sequence[Params], count: int) -> list[Params]:
+    """One params per prompt: a list gives each its own (as Engine.generate), else all share one."""
+    if isinstance(params, (list, tuple)):
+        if len(params) != count:
+            raise ValueError(f"params has {len(params)} entries for {count} prompts")
+        return list(params)
+    return [params] * count
+
+
+def generate_calls(prompts: Prompts, params: Params | Sequence[Params],
+                   rid: str | None) -> tuple[list[tuple[Prompt, Params]], bool]:
+    """The (prompt, params) of each request of a non-streamed generate call (see split_prompts,
+    params_per_prompt), and whether it was given one prompt."""
+    plist, single = split_prompts(prompts)
+    if rid is not None and not single:
+        raise ValueError(f"rid names one request, but generate was given {len(plist)} prompts; "
+                         f"leave rid None (each prompt gets its own id)")
+    return list(zip(plist, params_per_prompt(params, len(plist)))), single
+
+
+def generate_requests(prompts: Prompts, params: Params | Sequence[Params], rid: str | None,
+                      salt: str | None) -> tuple[list[P.GenerateReq], bool]:
+    """The requests of a non-streamed generate call, all checked before any is sent, and
+    whether it was given one prompt."""
+    calls, single = generate_calls(prompts, params, rid)
+    return [generate_request(p, sp, False, rid, salt) for p, sp in calls], single
+
+
+def gathered(outputs: list[list[RequestOutput]], single: bool) -> RequestOutput | list[RequestOutput]:
+    """What generate returns, as Engine.generate: one output for one prompt with n == 1, else the
+    outputs of every prompt in order, n per prompt."""
+    flat = [out for outs in outputs for out in outs]
+    return flat[0] if single and len(flat) == 1 else flat
 
 
 def to_output(msg: P.Finished, n: int) -> RequestOutput:
@@ -181,9 +304,41 @@ class GenerateState:
             return ""
         raise ServerError(P.BAD_REQUEST, f"unexpected {msg.TAG!r} reply to a generate request")
 
+    def in_order(self) -> list[RequestOutput]:
+        return [self.outputs[i] for i in range(self.n)]
+
     def result(self) -> RequestOutput | list[RequestOutput]:
-        outs = [self.outputs[i] for i in range(self.n)]
+        outs = self.in_order()
         return outs[0] if self.n == 1 else outs
+
+
+class WaitClock:
+    """The limits of one wait for a reply, read on the transport's clock (`now`): `timeout`
+    seconds in all (None: none), and, while the socket has no connection that completed its
+    handshake, `connect_timeout` seconds from the start of the wait (None: none). The connect
+    limit lifts as soon as a connection is up, and applies again to waits that start after it
+    dropped, so a call made while ZeroMQ reconnects cannot hang either."""
+
+    def __init__(self, core: "ClientCore", timeout: float | None, now: float):
+        self._core = core
+        self._timeout = timeout
+        self._deadline = None if timeout is None else now + timeout
+        connect = core.connect_timeout
+        self._connect_by = None if connect is None else now + connect
+
+    def left(self, now: float) -> float | None:
+        """Seconds the wait may go on before it is checked again (None: no limit); raises
+        RequestTimeout or Unreachable once a limit has passed."""
+        limits = []
+        if self._deadline is not None:
+            if now >= self._deadline:
+                raise RequestTimeout(self._timeout)
+            limits.append(self._deadline - now)
+        if self._connect_by is not None and not self._core.connected:
+            if now >= self._connect_by:
+                raise unreachable(self._core.address, self._core.connect_timeout)
+            limits.append(self._connect_by - now)
+        return min(limits) if limits else None
 
 
 class Run:
@@ -214,12 +369,21 @@ class ClientCore:
     requests still waited for have an inbox; a reply to any other is dropped."""
 
     def __init__(self, address: str, key: bytes, send: Callable[[list[bytes]], None],
-                 new_inbox: Callable[[], Any] = deque):
+                 new_inbox: Callable[[], Any] = deque,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S):
         self.address = address
+        self.connect_timeout = check_connect_timeout(connect_timeout)
+        # whether the socket has a connection that completed its handshake, by the monitor's last
+        # event; a transport that opens a new socket sets it back to False
+        self.connected = False
         self._key = key
         self._send = send
         self._new_inbox = new_inbox
         self._inbox: dict[str, Any] = {}
+
+    def clock(self, timeout: float | None, now: float) -> WaitClock:
+        """The limits of a wait for a reply that starts `now`."""
+        return WaitClock(self, timeout, now)
 
     # ---- requests and replies ----
     def send(self, msg: P.Message) -> None:
@@ -230,22 +394,22 @@ class ClientCore:
         return self._inbox[rid]
 
     def start(self, msg: P.Message) -> None:
-        """Sends request `msg`, whose replies are filed from now on."""
+        """Sends request `msg`, whose replies are filed from now on. The inbox opens after the
+        send, because a transport's send first takes in what arrived (see `received`): a drop
+        reported by then fails the requests already in flight, not this one, which ZeroMQ
+        delivers once it has reconnected."""
         if msg.rid in self._inbox:
             raise ValueError(f"request id {msg.rid!r} is already in flight")
+        self.send(msg)
         self._inbox[msg.rid] = self._new_inbox()
-        try:
-            self.send(msg)
-        except BaseException:
-            del self._inbox[msg.rid]
-            raise
 
     def finish(self, rid: str) -> None:
         self._inbox.pop(rid, None)
 
     def give_up(self, rid: str, exc: BaseException) -> None:
         """After `exc` ended the wait for `rid`: the server already dropped a request it failed;
-        anything else (a timeout, an interrupt, a cancellation) leaves it running there, so abort it."""
+        anything else (a timeout, an unreachable server that may yet get it, an interrupt, a
+        cancellation) leaves it running there, so abort it."""
         if isinstance(exc, ServerError) and not isinstance(exc, RequestTimeout):
             self.finish(rid)
         else:
@@ -263,18 +427,29 @@ class ClientCore:
             self.abandon(rid)
         self._inbox.clear()
 
-    def received(self, raws: Iterable[list[bytes]], failed: P.ErrorMsg | None = None) -> None:
-        """Files each reply in `raws` under its request; then, if the connection `failed` (see
-        monitor_error), fails every request still waiting with that error. What the server sent
-        before closing (say, why) comes first."""
+    def received(self, raws: Iterable[list[bytes]], events: Iterable[list[bytes]] = ()) -> None:
+        """Takes in the socket's monitor `events` (which say whether it is connected) and files
+        each reply in `raws` under its request; then every connection failure among the events
+        (see monitor_error) fails each request still waiting. What the server sent before
+        closing (say, why) comes first."""
+        failures = [f for f in map(self._follow, events) if f is not None]
         for raw in raws:
             msg = read_reply(raw)
             if isinstance(msg, P.ErrorMsg) and not msg.rid:
                 self._broadcast(msg)  # a frame without a readable id failed: fail them all
             elif msg.rid in self._inbox:
                 self._inbox[msg.rid].append(msg)
-        if failed is not None:
-            self._broadcast(failed)
+        for failure in failures:
+            self._broadcast(failure)
+
+    def _follow(self, raw_event: list[bytes]) -> P.ErrorMsg | None:
+        """Updates `connected` from one monitor event; returns the failure it means, if any."""
+        event = parse_monitor_message(raw_event)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+        return monitor_error(self.address, event)
 
     def _broadcast(self, msg: P.Message) -> None:
         for inbox in self._inbox.values():
@@ -302,14 +477,25 @@ class ClientCore:
             self.finish(rid)
         return delta
 
-    def generate(self, prompt: Prompt, params: Params, salt: str | None, rid: str | None,
-                 timeout: float | None) -> Op:
-        msg = generate_request(prompt, params, False, rid, salt)
-        state = GenerateState(msg.params.n)
-        self.start(msg)
-        while not state.done:
-            yield from self.fold(msg.rid, timeout, state)
-        return state.result()
+    def generate(self, prompts: Prompts, params: Params | Sequence[Params], salt: str | None,
+                 rid: str | None, timeout: float | None) -> Op:
+        """One request per prompt, all sent at once, gathered in order (see `gathered`). If one
+        fails, the others still in flight are aborted and its error is raised."""
+        msgs, single = generate_requests(prompts, params, rid, salt)
+        states = [GenerateState(msg.params.n) for msg in msgs]
+        sent: list[str] = []
+        try:
+            for msg in msgs:
+                self.start(msg)
+                sent.append(msg.rid)
+            for msg, state in zip(msgs, states):
+                while not state.done:
+                    yield from self.fold(msg.rid, timeout, state)
+        except BaseException:
+            for other in sent:
+                self.abandon(other)  # a no-op for the finished ones and the one that failed
+            raise
+        return gathered([state.in_order() for state in states], single)
 
     def flush_cache(self, timeout: float | None) -> Op:
         return expect((yield from self.call(P.FlushCache(rid=new_rid()), timeout)), P.FlushDone).ok
@@ -340,10 +526,13 @@ class ClientBase:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def generate(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
-                 rid: str | None = None, timeout: float | None = None) -> RequestOutput | list[RequestOutput]:
-        """The finished output (a list when params.n > 1). Text or token ids, as Engine.generate."""
-        return self._run(self._core.generate(prompt, params, salt, rid, self._timeout(timeout)))
+    def generate(self, prompts: Prompts, params: Params | Sequence[Params] = None, *,
+                 salt: str | None = None, rid: str | None = None,
+                 timeout: float | None = None) -> RequestOutput | list[RequestOutput]:
+        """As Engine.generate: for one prompt (text or token ids) its finished output (a list
+        when params.n > 1); for a list of prompts, a list of outputs, n per prompt, in order.
+        `params` may be a list, one per prompt."""
+        return self._run(self._core.generate(prompts, params, salt, rid, self._timeout(timeout)))
 
     def stream(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
                rid: str | None = None, timeout: float | None = None) -> "StreamBase":

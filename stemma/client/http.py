@@ -18,23 +18,31 @@ Differences that HTTP imposes:
   that is closed or dropped early, and an async call that is cancelled, close their connection.
   `abort(rid)` closes this client's stream `rid`, which then ends with a local output whose
   finish_reason is 'abort' (holding what arrived); a non-streamed request cannot be aborted.
-- `timeout` bounds each read of the reply (and the connect), not the gap between two messages.
-- A refused or dropped connection is a ServerError with code CONNECTION_LOST.
+- `timeout` bounds each read of the reply, not the gap between two messages; `connect_timeout`
+  (5 s by default) bounds opening a connection (an Unreachable error naming the URL).
+- A refused or dropped connection is a ServerError with code CONNECTION_LOST. TCP keepalive is the
+  heartbeat: a connection to a host that vanished without closing it fails within seconds.
+- A list of prompts is sent one request after another by the sync `generate` (it holds no
+  threads), all at once by `agenerate`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import weakref
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Awaitable, Iterator, Sequence
 
 import httpx2
 
 from stemma import protocol as P
 from stemma.client.address import check, speaks_zmtp, zmq_twin
-from stemma.client.core import (CONNECTION_LOST, WRONG_PROTOCOL, Params, Prompt, RequestTimeout,
-                                ServerError, generate_request, unhealthy)
+from stemma.client.core import (CONNECTION_LOST, DEFAULT_CONNECT_TIMEOUT_S, WRONG_PROTOCOL, Params,
+                                Prompt, Prompts, RequestTimeout, ServerError, Unreachable,
+                                check_connect_timeout, gathered, generate_calls,
+                                generate_request, unhealthy)
 from stemma.outputs import RequestOutput
+from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from stemma.text.sse import SSE
 
 _CODES = (P.BAD_REQUEST, P.TOO_LARGE, P.UNAUTHORIZED, P.ENGINE_DEAD, P.SHUTTING_DOWN, P.OVERLOADED,
@@ -102,6 +110,45 @@ def status_error(status: int, content: bytes) -> ServerError:
     return error_of(status, {"message": text or f"HTTP {status}"})
 
 
+def request_bodies(prompts: Prompts, params: Params | Sequence[Params], rid: str | None,
+                   salt: str | None, program: str | None) -> tuple[list[dict[str, Any]], bool]:
+    """The bodies of a non-streamed generate call, one per prompt, all checked before any is
+    sent (see core.generate_calls), and whether it was given one prompt."""
+    calls, single = generate_calls(prompts, params, rid)
+    return [request_body(p, sp, False, rid, salt, program) for p, sp in calls], single
+
+
+def as_list(result: RequestOutput | list[RequestOutput]) -> list[RequestOutput]:
+    return result if isinstance(result, list) else [result]
+
+
+async def all_or_none(awaitables: list[Awaitable[Any]]) -> list[Any]:
+    """The results of `awaitables`, run at once, in order; if one fails (or this is cancelled),
+    the others are cancelled (closing their connections aborts their requests) and its error
+    is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def keepalive_options() -> list[tuple[int, int, int]]:
+    """TCP keepalive, the HTTP client's heartbeat (the ZeroMQ client's timings): an idle
+    connection, such as a stream waiting for its next event, to a host that vanished without
+    closing it fails after about HEARTBEAT_TIMEOUT_MS. Options the platform lacks are left out."""
+    ivl_s = max(HEARTBEAT_IVL_MS // 1000, 1)
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", ivl_s), ("TCP_KEEPINTVL", ivl_s),
+                        ("TCP_KEEPCNT", max(HEARTBEAT_TIMEOUT_MS // HEARTBEAT_IVL_MS, 1))):
+        if hasattr(socket, name):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    return options
+
+
 def generate_result(data: Any) -> RequestOutput | list[RequestOutput]:
     if isinstance(data, list):
         return [output_from(d) for d in data]
@@ -161,9 +208,15 @@ def not_http(address: str) -> ServerError:
                                        f"port (stemma serve --port) with http://")
 
 
-def transport_error(exc: Exception, address: str, timeout: float | None) -> ServerError:
-    """The ServerError of a failed HTTP exchange; a port that never answered in HTTP is probed,
-    so that a ZeroMQ port given as http:// is named as such (see client.address.speaks_zmtp)."""
+def transport_error(exc: Exception, address: str, timeout: float | None,
+                    connect_s: float | None = None) -> ServerError:
+    """The ServerError of a failed HTTP exchange (`connect_s`: the connect limit it ran under);
+    a port that never answered in HTTP is probed, so that a ZeroMQ port given as http:// is named
+    as such (see client.address.speaks_zmtp)."""
+    if isinstance(exc, httpx2.ConnectTimeout):  # no connection at all: nothing to probe
+        within = "in time" if connect_s is None else f"within the connect timeout of {connect_s:g} s"
+        return Unreachable(f"cannot connect to {address}: no connection {within} (is `stemma "
+                           f"serve` running there?)")
     if isinstance(exc, (httpx2.TimeoutException, httpx2.RemoteProtocolError)) and speaks_zmtp(address):
         return not_http(address)
     if isinstance(exc, httpx2.TimeoutException):
@@ -382,9 +435,10 @@ class _AsyncHttp:
         self.owner = owner
         self.loop = asyncio.get_running_loop()
         # no idle connections: a loop that closes (asyncio.run, a program's run) leaves none open
+        transport = httpx2.AsyncHTTPTransport(limits=httpx2.Limits(max_keepalive_connections=0),
+                                              socket_options=keepalive_options())
         self.http = httpx2.AsyncClient(base_url=owner.address, headers=owner._headers,
-                                       timeout=httpx2.Timeout(owner.timeout),
-                                       limits=httpx2.Limits(max_keepalive_connections=0))
+                                       timeout=owner.timeouts(owner.timeout), transport=transport)
         self.tasks: set[asyncio.Task] = set()
 
     def spawn(self, coro) -> None:
@@ -396,19 +450,20 @@ class _AsyncHttp:
     async def request(self, method: str, path: str, timeout: float | None, body: Any = None,
                       ok_statuses: tuple[int, ...] = ()) -> httpx2.Response:
         try:
-            response = await self.http.request(method, path, json=body, timeout=httpx2.Timeout(timeout))
+            response = await self.http.request(method, path, json=body, timeout=self.owner.timeouts(timeout))
         except httpx2.TransportError as exc:
-            raise transport_error(exc, self.owner.address, timeout) from exc
+            raise transport_error(exc, self.owner.address, timeout, self.owner.connect_s(timeout)) from exc
         if response.status_code >= 400 and response.status_code not in ok_statuses:
             raise status_error(response.status_code, response.content)
         return response
 
     async def send_stream(self, body: dict[str, Any], timeout: float | None) -> httpx2.Response:
-        request = self.http.build_request("POST", "/generate", json=body, timeout=httpx2.Timeout(timeout))
+        request = self.http.build_request("POST", "/generate", json=body,
+                                          timeout=self.owner.timeouts(timeout))
         try:
             response = await self.http.send(request, stream=True)
         except httpx2.TransportError as exc:
-            raise transport_error(exc, self.owner.address, timeout) from exc
+            raise transport_error(exc, self.owner.address, timeout, self.owner.connect_s(timeout)) from exc
         if response.status_code >= 400:
             try:
                 content = await response.aread()
@@ -432,13 +487,16 @@ class HttpClient:
     """A client of the stemma server at `address` (http://host:port or https://...).
 
     `api_key`: sent as a bearer token; `timeout`: seconds to wait for each read of a reply, by
-    default (None: no limit). Connecting is lazy: nothing is sent until the first call."""
+    default (None: no limit); `connect_timeout`: seconds to wait for a connection to open (None:
+    no limit). Connecting is lazy: nothing is sent until the first call."""
 
-    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
+    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S):
         if check(address) != "http":
             raise ValueError(f"an HTTP client needs an http:// or https:// address, got {address!r}")
         self.address = address.rstrip("/")
         self.timeout = timeout
+        self.connect_timeout = check_connect_timeout(connect_timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http: httpx2.Client | None = None  # opened by the first call
         self._async: dict[asyncio.AbstractEventLoop, _AsyncHttp] = {}
@@ -447,6 +505,16 @@ class HttpClient:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    def connect_s(self, timeout: float | None) -> float | None:
+        """The connect limit of a call whose reads wait up to `timeout` s: the shorter one."""
+        limits = [t for t in (timeout, self.connect_timeout) if t is not None]
+        return min(limits) if limits else None
+
+    def timeouts(self, timeout: float | None) -> httpx2.Timeout:
+        """The httpx timeouts of a call: `timeout` for each read, write and pool wait, and
+        connect_s(timeout) for the connect."""
+        return httpx2.Timeout(timeout, connect=self.connect_s(timeout))
 
     def check_protocol(self, wait_s: float = 0.2) -> None:
         """Raises ServerError(WRONG_PROTOCOL) if the address is a ZeroMQ port, which would never
@@ -459,26 +527,27 @@ class HttpClient:
     def _client(self) -> httpx2.Client:
         if self._http is None:
             self._http = httpx2.Client(base_url=self.address, headers=self._headers,
-                                       timeout=httpx2.Timeout(self.timeout))
+                                       timeout=self.timeouts(self.timeout),
+                                       transport=httpx2.HTTPTransport(socket_options=keepalive_options()))
         return self._http
 
     def _request(self, method: str, path: str, timeout: float | None, body: Any = None,
                  ok_statuses: tuple[int, ...] = ()) -> httpx2.Response:
         try:
-            response = self._client().request(method, path, json=body, timeout=httpx2.Timeout(timeout))
+            response = self._client().request(method, path, json=body, timeout=self.timeouts(timeout))
         except httpx2.TransportError as exc:
-            raise transport_error(exc, self.address, timeout) from exc
+            raise transport_error(exc, self.address, timeout, self.connect_s(timeout)) from exc
         if response.status_code >= 400 and response.status_code not in ok_statuses:
             raise status_error(response.status_code, response.content)
         return response
 
     def _send_stream(self, body: dict[str, Any], timeout: float | None) -> httpx2.Response:
         http = self._client()
-        request = http.build_request("POST", "/generate", json=body, timeout=httpx2.Timeout(timeout))
+        request = http.build_request("POST", "/generate", json=body, timeout=self.timeouts(timeout))
         try:
             response = http.send(request, stream=True)
         except httpx2.TransportError as exc:
-            raise transport_error(exc, self.address, timeout) from exc
+            raise transport_error(exc, self.address, timeout, self.connect_s(timeout)) from exc
         if response.status_code >= 400:
             try:
                 content = response.read()
@@ -498,13 +567,16 @@ class HttpClient:
         return self._async[loop]
 
     # ---- the calls ----
-    def generate(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
-                 rid: str | None = None, timeout: float | None = None,
+    def generate(self, prompts: Prompts, params: Params | Sequence[Params] = None, *,
+                 salt: str | None = None, rid: str | None = None, timeout: float | None = None,
                  program: str | None = None) -> RequestOutput | list[RequestOutput]:
-        """The finished output (a list when params.n > 1). Text or token ids, as Engine.generate."""
-        body = request_body(prompt, params, False, rid, salt, program)
+        """As Engine.generate: for one prompt (text or token ids) its finished output (a list
+        when params.n > 1); for a list of prompts, a list of outputs, n per prompt, in order
+        (sent one after another). `params` may be a list, one per prompt."""
+        bodies, single = request_bodies(prompts, params, rid, salt, program)
         timeout = self._timeout(timeout)
-        return generate_result(_json(self._request("POST", "/generate", timeout, body)))
+        return gathered([as_list(generate_result(_json(self._request("POST", "/generate", timeout, body))))
+                         for body in bodies], single)
 
     def stream(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
                rid: str | None = None, timeout: float | None = None,
@@ -539,12 +611,18 @@ class HttpClient:
             raise
 
     # ---- asyncio ----
-    async def agenerate(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
-                        rid: str | None = None, timeout: float | None = None,
+    async def agenerate(self, prompts: Prompts, params: Params | Sequence[Params] = None, *,
+                        salt: str | None = None, rid: str | None = None,
+                        timeout: float | None = None,
                         program: str | None = None) -> RequestOutput | list[RequestOutput]:
-        body = request_body(prompt, params, False, rid, salt, program)
-        response = await self._aclient().request("POST", "/generate", self._timeout(timeout), body)
-        return generate_result(_json(response))
+        """As generate, with a list of prompts sent all at once (see all_or_none)."""
+        bodies, single = request_bodies(prompts, params, rid, salt, program)
+        aclient, timeout = self._aclient(), self._timeout(timeout)
+
+        async def one(body: dict[str, Any]) -> list[RequestOutput]:
+            return as_list(generate_result(_json(await aclient.request("POST", "/generate", timeout, body))))
+
+        return gathered(await all_or_none([one(body) for body in bodies]), single)
 
     def astream(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
                 rid: str | None = None, timeout: float | None = None,

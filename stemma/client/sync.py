@@ -8,7 +8,10 @@
     out = await client.agenerate(...);  async for delta in client.astream(...): ...
 
 The sync methods use one socket and are not thread-safe (use one client per thread). The async
-methods use another socket, one per event loop. A stream that is closed or dropped before it ends,
+methods use another socket, one per event loop. No call hangs: until a server has answered, each
+wait is bounded by `connect_timeout` (5 s by default; an Unreachable error naming the address),
+and a server that goes away is noticed by ZeroMQ heartbeats within seconds (a ServerError with
+code 'connection_lost' for every request in flight). A stream that is closed or dropped before it ends,
 and an async call that is cancelled, abort their request on the server; a client process that
 exits has all its requests aborted by the server, which sees the connection close.
 
@@ -18,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import zmq
 
 from stemma import protocol as P
-from stemma.client.core import (ClientBase, ClientCore, Op, Params, Prompt, RequestTimeout, Run,
-                                StreamBase, drain, monitor_error, open_socket)
+from stemma.client.core import (DEFAULT_CONNECT_TIMEOUT_S, ClientBase, ClientCore, Op, Params,
+                                Prompt, Prompts, Run, StreamBase, close_socket, drain,
+                                open_socket)
 from stemma.client.address import check
 from stemma.outputs import RequestOutput
 
@@ -58,9 +62,12 @@ class Stream(StreamBase):
 class Client(ClientBase):
     _stream = Stream
 
-    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None):
+    def __init__(self, address: str, api_key: str | None = None, timeout: float | None = None,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S):
         """`address`: tcp://host:port or ipc:///path (checked here: see client.address);
-        `timeout`: seconds to wait for each message of a reply, by default (None: no limit)."""
+        `timeout`: seconds to wait for each message of a reply, by default (None: no limit);
+        `connect_timeout`: seconds a wait may last while no server has completed a connection
+        (None: no limit)."""
         if check(address) != "zmq":
             raise ValueError(f"a ZeroMQ client needs a tcp:// or ipc:// address, got {address!r}; "
                              f"stemma.connect({address!r}) gives an HTTP client")
@@ -71,15 +78,20 @@ class Client(ClientBase):
         self._sock: zmq.Socket | None = None  # opened by the first send
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
-        self._core = ClientCore(address, self._key, self._send)
+        self._core = ClientCore(address, self._key, self._send, connect_timeout=connect_timeout)
+        self.connect_timeout = self._core.connect_timeout
         self._async: dict[asyncio.AbstractEventLoop, Any] = {}
 
     # ---- the transport ----
     def _send(self, frames: list[bytes]) -> None:
+        """Sends after taking in what arrived (see ClientCore.start); never blocks (see open_socket)."""
         if self._sock is None:
             self._sock, self._monitor = open_socket(self._ctx, self.address)
+            self._core.connected = False
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
+        else:
+            self._take_in()
         self._sock.send_multipart(frames)
 
     def _alive(self) -> bool:
@@ -93,27 +105,25 @@ class Client(ClientBase):
 
     def _next(self, rid: str, timeout: float | None) -> P.Message | BaseException:
         """The next reply to request `rid`, or what ended the wait: a RequestTimeout after
-        `timeout` seconds, an interrupt."""
+        `timeout` seconds, an Unreachable after the connect timeout (see WaitClock), an interrupt."""
         try:
-            deadline = None if timeout is None else time.monotonic() + timeout
             inbox = self._core.inbox(rid)
+            clock = self._core.clock(timeout, time.monotonic())
             while not inbox:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise RequestTimeout(timeout)
-                self._pump(left)
+                self._pump(clock.left(time.monotonic()))
             return inbox.popleft()
         except BaseException as exc:
             return exc
 
     def _pump(self, timeout_s: float | None) -> None:
-        """Waits up to `timeout_s` for traffic, then files every reply under its request."""
-        ms = None if timeout_s is None else max(int(timeout_s * 1000), 0)
-        events = dict(self._poller.poll(ms))
-        failed = None
-        if self._monitor in events:
-            failed = monitor_error(self.address, self._monitor.recv_multipart())
-        self._core.received(drain(self._sock.recv_multipart), failed)
+        """Waits up to `timeout_s` for traffic, then takes it in."""
+        ms = None if timeout_s is None else max(int(timeout_s * 1000), 1)  # 0 would spin
+        self._poller.poll(ms)
+        self._take_in()
+
+    def _take_in(self) -> None:
+        """Hands the core every reply and monitor event there is, without waiting."""
+        self._core.received(drain(self._sock.recv_multipart), drain(self._monitor.recv_multipart))
 
     # ---- asyncio ----
     def _aclient(self):
@@ -122,12 +132,14 @@ class Client(ClientBase):
         if loop not in self._async:
             for old in [lp for lp in self._async if lp.is_closed()]:  # asyncio.run() came and went
                 self._async.pop(old).close()
-            self._async[loop] = AsyncClient(self.address, self._key, self.timeout)
+            self._async[loop] = AsyncClient(self.address, self._key, self.timeout,
+                                            self.connect_timeout)
         return self._async[loop]
 
-    async def agenerate(self, prompt: Prompt, params: Params = None,
+    async def agenerate(self, prompts: Prompts, params: Params | Sequence[Params] = None,
                         **kw) -> RequestOutput | list[RequestOutput]:
-        return await self._aclient().generate(prompt, params, **kw)
+        """As generate: one prompt or a list of them, sent at once."""
+        return await self._aclient().generate(prompts, params, **kw)
 
     def astream(self, prompt: Prompt, params: Params = None, **kw):
         """An async iterator of text deltas (an AsyncStream); must be called inside a running loop."""
@@ -150,8 +162,7 @@ class Client(ClientBase):
         """Aborts whatever is still in flight and closes the sockets."""
         self._core.drop_all(abort=self._alive())
         if self._sock is not None:
-            self._monitor.close(linger=0)
-            self._sock.close(linger=100)  # lets the aborts out
+            close_socket(self._sock, self._monitor, linger=100)  # lets the aborts out
             self._sock, self._monitor, self._poller = None, None, zmq.Poller()
         for aclient in self._async.values():
             aclient.close()
@@ -164,12 +175,17 @@ class Client(ClientBase):
         self.close()
 
 
-def connect(address: str, api_key: str | None = None, timeout: float | None = None) -> Client | HttpClient:
+def connect(address: str, api_key: str | None = None, timeout: float | None = None,
+            connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S) -> Client | HttpClient:
     """A client of the stemma server at `address`: tcp://host:port or ipc://path (its ZeroMQ
     port, a Client), or http://host:port / https://... (its HTTP port, a client.http.HttpClient,
     with the same calls). Connecting is lazy: nothing is sent until the first call, but the
-    address is checked here: any other form is a ValueError naming the accepted ones."""
+    address is checked here: any other form is a ValueError naming the accepted ones.
+
+    `timeout`: seconds to wait for each reply (None: no limit); `connect_timeout`: seconds a call
+    may wait for a server to answer at all, after which it fails with an Unreachable error (code
+    'unreachable') naming the address (None: no limit)."""
     if check(address) == "http":
         from stemma.client.http import HttpClient  # imports httpx only when used
-        return HttpClient(address, api_key, timeout)
-    return Client(address, api_key, timeout)
+        return HttpClient(address, api_key, timeout, connect_timeout)
+    return Client(address, api_key, timeout, connect_timeout)

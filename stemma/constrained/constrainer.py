@@ -1,8 +1,12 @@
 """The constrained-decoding side of one engine: what the scheduler calls, and nothing else does.
 
-    check(params)        at submission: the ConstraintSpec, or a ValueError naming the field
+    check(params)        at submission: the ConstraintSpec, or a ValueError naming the field; a
+                         Future of either when compiling outlasts CHECK_WINDOW_S (it goes on in
+                         the background, and the batch never waits for it)
     start(spec)          a Future of the request's guide factory; already done when the Index (or
                          the llguidance tokenizer) is cached, else built on the worker thread
+    abandon()            after a build timed out: later checks and builds run on fresh threads
+                         (see stemma.constrained.worker: a compile cannot be interrupted)
     attach(req, ...)     when it is built: the request's guide, with its token budget
     mask(logits, ...)    before sampling: the constrained rows' bitmask, applied in place
     advance(req, token)  after sampling: the tokens to append (jump-forward may add some) and a
@@ -16,8 +20,8 @@ would leave no completion within it is not taken. A request whose budget cannot 
 output runs unrestricted and ends "length" with meta["error"] saying so.
 
 The vocabulary, Indexes and the llguidance tokenizer are built lazily on one worker thread, so an
-engine that never sees a constrained request never pays for them. (The worker exits when the
-engine is collected.)
+engine that never sees a constrained request never pays for them; submission checks run on
+another, so that a long build never delays them. (Idle workers exit; see constrained.worker.)
 
 Logprobs of a constrained request are those of the masked distribution (what it sampled from).
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -35,7 +39,8 @@ import torch
 
 from stemma.constrained import bitmask, jump_forward
 from stemma.constrained.closure import budget_error
-from stemma.constrained.spec import ConstraintSpec, check
+from stemma.constrained.spec import CONSTRAINT_FIELDS, ConstraintSpec, check
+from stemma.constrained.worker import Worker
 from stemma.constrained.vocab import TokenVocab, build_vocab
 from stemma.sampling_params import SamplingParams
 
@@ -53,6 +58,7 @@ _MISSING = object()  # IndexCache.lookup_closure: no table built yet
 GuideFactory = Callable[[], "Guide"]
 LOGPROB_MARGIN = 2     # a grammar request asking for logprobs follows its completion this early
 CLOSURE_LOG = 4096     # closure_starts kept
+CHECK_WINDOW_S = 0.25  # a constraint that compiles within this is refused at submission if bad
 
 
 @dataclass
@@ -80,7 +86,8 @@ class Constrainer:
         self.enable_jump_forward = enable_jump_forward
         self.indexes = IndexCache(index_cache_size)
         self.stats = ConstraintStats()
-        self._executor: ThreadPoolExecutor | None = None
+        self._builds = Worker("stemma-constrained")
+        self._checks = Worker("stemma-constraint-check")
         self._lock = threading.Lock()
         self._vocab: TokenVocab | None = None
         self._end_tokens: bitmask.EndTokens | None = None
@@ -91,23 +98,41 @@ class Constrainer:
         self.closure_starts: OrderedDict[str, int] = OrderedDict()
 
     # ---- submission ----
-    def check(self, params: SamplingParams) -> ConstraintSpec | None:
-        spec = check(params)
-        if spec is not None and self.tokenizer is None:
-            raise ValueError(f"{spec.field}: constrained decoding needs the model's tokenizer, "
+    def check(self, params: SamplingParams) -> ConstraintSpec | Future:
+        """The constraint of a constrained request, compiled once to prove it sound (a ValueError
+        naming the field when it is not), or a Future of that when compiling takes longer than
+        CHECK_WINDOW_S: a pathological pattern compiles on the check thread, outside the batch,
+        and fails its request only (the scheduler's build timeout bounds it)."""
+        if self.tokenizer is None:
+            field = next(f for f in CONSTRAINT_FIELDS if getattr(params, f) is not None)
+            raise ValueError(f"{field}: constrained decoding needs the model's tokenizer, "
                              "and this model has none")
-        return spec
+        future = self._checks.submit(check, params)
+        try:
+            return future.result(CHECK_WINDOW_S)
+        except TimeoutError:
+            return future
 
-    def start(self, spec: ConstraintSpec) -> Future:
-        """A Future of a function that makes the request's guide."""
+    def start(self, spec: ConstraintSpec | Future) -> Future:
+        """A Future of a function that makes the request's guide (`spec`: what `check` gave)."""
+        if isinstance(spec, Future):
+            return _then(spec, self.start)
         ready = self._ready_factory(spec)
         if ready is not None:
             done: Future = Future()
             done.set_result(ready)
             return done
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stemma-constrained")
-        return self._executor.submit(self._build_factory, spec)
+        return self._builds.submit(self._build_factory, spec)
+
+    def abandon(self) -> None:
+        """A build or check outlived its timeout: leave it to its thread; the queued ones (and
+        all later ones) run on fresh threads, so the stuck one blocks nothing."""
+        self._checks.abandon()
+        self._builds.abandon()
+
+    @property
+    def abandoned_builds(self) -> int:
+        return self._checks.abandoned + self._builds.abandoned
 
     def _ready_factory(self, spec: ConstraintSpec) -> GuideFactory | None:
         """The factory without building anything, when everything it needs is cached."""
@@ -355,3 +380,29 @@ def _trial_state(guide: Guide) -> dict:
 def _restore(guide: Guide, saved: dict) -> None:
     for name, value in saved.items():
         setattr(guide, name, value)
+
+
+def _then(first: Future, start: Callable[[ConstraintSpec], Future]) -> Future:
+    """A Future of start(first's result), chained on completion (no thread waits for `first`).
+    Cancelled (its request timed out or was aborted), it starts nothing more."""
+    out: Future = Future()
+
+    def copy(done: Future) -> None:
+        if not out.set_running_or_notify_cancel():
+            return
+        if done.cancelled() or done.exception() is not None:
+            out.set_exception(done.exception() if not done.cancelled() else RuntimeError("cancelled"))
+        else:
+            out.set_result(done.result())
+
+    def go(checked: Future) -> None:
+        if out.cancelled():
+            return
+        if checked.cancelled() or checked.exception() is not None:
+            copy(checked)
+        else:
+            start(checked.result()).add_done_callback(copy)
+
+    first.add_done_callback(go)
+    out.add_done_callback(lambda done: done.cancelled() and first.cancel())  # a queued check: skipped
+    return out

@@ -11,13 +11,14 @@ import torch
 
 from stemma.cache.radix_cache import RadixCache
 from stemma.constrained.constrainer import Constrainer
+from stemma.engine.limits import Limits
 from stemma.engine.output import request_output
-from stemma.engine.request import Request
+from stemma.engine.request import Request, RequestFailed
 from stemma.engine.scheduler import Scheduler
 from stemma.engine.stop import StopRule
 from stemma.engine_config import EngineConfig
 from stemma.executor import tuning
-from stemma.executor.executor import Executor
+from stemma.executor.executor import Executor, fault_text
 from stemma.executor.runner import ModelRunner, RunnerConfig
 from stemma.loader.model import LoadedModel, load_model
 from stemma.outputs import RequestOutput
@@ -98,6 +99,7 @@ class Engine:
                                    StopRule(self.eos_token_ids, self.runner.max_context, self.tokenizer),
                                    self.spec)
         self.executor = Executor(self.runner, self.sampler, self.constrainer, self.eos_token_ids)
+        self.limits = Limits.of(cfg, self.runner.max_context)
 
     # ---- requests ----
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -115,12 +117,24 @@ class Engine:
             raise ValueError(f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")
         return ids
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """The token ids a request names besides its prompt lie in the vocabulary."""
+        vocab = self.loaded.spec.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} holds token ids outside [0, {vocab}): {bad[:5]}")
+
     def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None, *,
                rid: str | None = None, salt: str | None = None) -> list[Request]:
         """Queues a prompt; returns its `params.n` requests. A ValueError (a bad prompt, one too
-        long for the context, a bad constraint) queues none of them."""
+        long for the context, a request past a limit of stemma.engine.limits, a bad constraint)
+        queues none of them."""
         params = as_params(params)
         ids = self.tokenize(prompt)
+        self.limits.check(ids, params)
+        self.check_token_ids(params)
         rid = rid or uuid.uuid4().hex
         reqs = []
         for i in range(params.n):
@@ -139,7 +153,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return plan.finished
-        out = self.executor.run(plan)
+        try:
+            out = self.executor.run(plan)
+        except Exception as exc:  # not tied to one request: the step's requests fail, not the engine
+            return self.scheduler.fail_step(plan, exc)
         touched = self.scheduler.postprocess(plan, out)
         seconds = time.perf_counter() - start
         counters = self.scheduler.counters
@@ -185,7 +202,9 @@ class Engine:
         return outs[0] if single and len(outs) == 1 else outs
 
     def stream(self, prompt: Prompt, params: SamplingParams | dict | None = None) -> Iterator[str]:
-        """Yields text deltas of one request as they are generated."""
+        """Yields text deltas of one request as they are generated. A request that ends with an
+        error (a fault while serving it, its detokenizer's included, or a constraint that failed
+        to build) raises RequestFailed after the text it had; the engine goes on."""
         params = as_params(params)
         if params.n != 1:
             raise ValueError(f"n must be 1 when streaming, got {params.n}")
@@ -195,29 +214,51 @@ class Engine:
             while not req.finished:
                 if not self.step():
                     self.wait_for_work()
-                delta = publisher.push(req.output_ids)
+                delta = self._detokenized(req, publisher.push, req.output_ids)
                 if delta:
                     yield delta
-            tail = publisher.finish()
+            if req.finish_reason == "error":
+                raise RequestFailed(req.rid, req.error)
+            tail = self._detokenized(req, publisher.finish)
             if tail:
                 yield tail
         finally:
             if not req.finished:
                 self.abort(req.rid)
 
+    def _detokenized(self, req: Request, decode, *args) -> str:
+        """decode(*args): req's text; a detokenizer fault fails req alone (RequestFailed)."""
+        try:
+            return decode(*args)
+        except Exception as exc:
+            if not req.finished:
+                self.scheduler.fail(req.rid, fault_text("detokenizing", exc))
+            else:
+                req.finish_reason, req.error, req.fault = "error", fault_text("detokenizing", exc), True
+            raise RequestFailed(req.rid, req.error) from exc
+
     def text_stream(self, req: Request) -> TextStream:
         """A text stream of req's output, as the gateway would make it."""
         return TextStream.of(self.tokenizer, req.params, req.input_ids)
 
     def output(self, req: Request) -> RequestOutput:
-        text = ""
+        """req's RequestOutput, once finished. A detokenizer fault on its ids makes it an error
+        (finish reason "error", meta["error"]) with no text; other outputs are unaffected."""
+        try:
+            text = self._text(req)
+        except Exception as exc:
+            req.finish_reason, req.error, req.fault = "error", fault_text("detokenizing", exc), True
+            text = ""
+        return request_output(req, text)
+
+    def _text(self, req: Request) -> str:
         if req.stop_tracker is not None:
             req.stop_tracker.finish()
-            text = req.stop_tracker.text
-        elif self.tokenizer is not None:  # decoded as the stream decodes it, after the prompt
-            stream = TextStream(self.tokenizer, (), req.params.skip_special_tokens, req.input_ids)
-            text = stream.push(req.output_ids) + stream.finish()
-        return request_output(req, text)
+            return req.stop_tracker.text
+        if self.tokenizer is None:
+            return ""
+        stream = TextStream(self.tokenizer, (), req.params.skip_special_tokens, req.input_ids)
+        return stream.push(req.output_ids) + stream.finish()  # as the stream decodes it
 
     # ---- cache and stats ----
     def flush_cache(self) -> bool:

@@ -7,6 +7,12 @@ whatever has arrived without waiting and steps; when idle it blocks on the socke
 to notice that its parent is gone). Each step's chunks and finishes travel as one Batch frame.
 Text never enters this process, except where the scheduler matches stop strings.
 
+A sequence that failed from a fault while it was served (req.fault: an exception in the engine,
+not its input) ends its whole request with one ErrorMsg(code=INTERNAL), which clients raise; the
+request's other sequences are aborted, so an n > 1 group fails as one. Errors that come from the
+request itself (a constraint that failed to build or timed out) end their sequence with finish
+reason "error" and meta["error"] in its Finished, as before.
+
 Run as `python -m stemma.engine.process` with a JSON spec on stdin: `engine` (the
 EngineConfig fields), `requests` and `outputs` (the gateway's addresses).
 """
@@ -119,6 +125,9 @@ class EngineLoop:
     # ---- output ----
     def _publish(self, live: Live) -> None:
         """Queues what `live` produced since the last call, and its end once finished."""
+        if live.req.fault:
+            self._fail_group(live)
+            return
         new = live.published.take(live.req.output_ids) if live.stream else None
         if new is not None:
             self.outbox.append(_chunk(live, new))
@@ -129,6 +138,16 @@ class EngineLoop:
             group.remove(live.req.rid)
             if not group:
                 del self.groups[live.rid]
+
+    def _fail_group(self, live: Live) -> None:
+        """live's sequence failed internally: its request ends with one INTERNAL error, and the
+        request's other sequences are aborted (their KV released, nothing more sent)."""
+        for engine_rid in self.groups.pop(live.rid, ()):
+            self.engine.abort(engine_rid)  # None for live's own, finished already
+            del self.live[engine_rid]
+        logger.warning("request %s failed: %s", live.rid, live.req.error)
+        self.outbox.append(P.ErrorMsg(rid=live.rid, code=P.INTERNAL,
+                                      message=live.req.error or "internal error"))
 
     def send(self, msg: P.Message) -> None:
         self.outputs.send(P.encode(msg))

@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from stemma.text.detokenizer import TextStream
 
 
+class RequestFailed(RuntimeError):
+    """A request ended with an internal error (req.fault); the engine goes on serving others."""
+
+    def __init__(self, rid: str, error: str | None):
+        super().__init__(f"request {rid} failed: {error}")
+        self.rid = rid
+        self.error = error
+
+
 class ReqState(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -44,6 +53,8 @@ class Request:
     cached_tokens: int = 0           # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
     error: str | None = None
+    fault: bool = False              # it ended "error" from a fault while serving it (an exception
+                                     # in the engine), not from its input: an internal error
     retractions: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

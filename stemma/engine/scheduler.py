@@ -15,7 +15,14 @@ A waiting request is radix-matched once per step (PrefixMatches).
 Constrained requests (regex / json_schema / grammar) first wait in the grammar queue, outside the
 batch, while their Index builds on a background thread; the batch never waits for them. Once in
 the batch, only their rows are masked, and jump-forward may append forced tokens after a sample,
-which the next step extends like a chunk of prefill (see stemma.constrained).
+which the next step extends like a chunk of prefill (see stemma.constrained). A guide whose
+check and build outlast `constraint_timeout_s` fails its request, and the build workers are
+abandoned to it (stemma.constrained.worker), so it blocks no later request.
+
+Faults (exceptions while serving) end requests with finish reason "error", req.fault and
+req.error, never the loop: a fault in booking one request fails that request (`_fail`), a fault
+of the whole step fails the step's requests (`fail_step`). Either way the slots the step
+allocated for a failed request are freed, and its KV computed before goes to the radix cache.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stemma.engine import policy
+from stemma.engine import faults, policy
 from stemma.engine.admission import Admission
 from stemma.engine.counters import Counters
 from stemma.engine.plan import StepPlan
@@ -94,10 +101,19 @@ class Scheduler:
     def _take_built(self) -> list[Request]:
         """Moves constrained requests whose guide is built to the waiting queue; finishes (with
         reason "error" and req.error) those whose build failed. Returns the finished ones."""
-        failed, pending = [], []
+        failed, pending, timed_out = [], [], False
+        now = time.perf_counter()
         for req, future in self.grammar_queue:
             if not future.done():
-                pending.append((req, future))
+                if now - req.arrival <= self.config.constraint_timeout_s:
+                    pending.append((req, future))
+                    continue
+                req.error = (f"{constraint_field(req)}: compiling the constraint took longer than "
+                             f"constraint_timeout_s ({self.config.constraint_timeout_s:g} s; the "
+                             f"engine option --constraint-timeout-s)")
+                future.cancel()  # a build chained after its check does not start
+                failed.append(self._finish(req, "error"))
+                timed_out = True
                 continue
             try:
                 req.constraint = self.constrainer.attach(req, future.result(), self.max_context)
@@ -107,20 +123,35 @@ class Scheduler:
                 continue
             self.waiting.append(req)
         self.grammar_queue = pending
+        if timed_out:  # the compile cannot be stopped: leave it to its thread, go on without it
+            self.constrainer.abandon()
         return failed
 
     def abort(self, rid: str) -> Request | None:
-        for i, (req, _) in enumerate(self.grammar_queue):
+        req = self._take_out(rid)
+        return None if req is None else self._finish(req, "abort")
+
+    def fail(self, rid: str, reason: str) -> Request | None:
+        """Between steps: ends request `rid` with an internal error (a fault outside the step,
+        such as its detokenizer's), releasing what it holds."""
+        req = self._take_out(rid)
+        return None if req is None else self._fail(req, reason)
+
+    def _take_out(self, rid: str) -> Request | None:
+        """The unfinished request `rid`, out of the grammar or waiting queue (a running one stays
+        in `running` until it is released)."""
+        for i, (req, future) in enumerate(self.grammar_queue):
             if req.rid == rid:
                 del self.grammar_queue[i]
-                return self._finish(req, "abort")
+                future.cancel()  # not built when it is still queued
+                return req
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
-                return self._finish(req, "abort")
+                return req
         for req in self.running:
             if req.rid == rid:
-                return self._finish(req, "abort")
+                return req
         return None
 
     @property
@@ -200,6 +231,8 @@ class Scheduler:
             if self.spec is not None:
                 self.spec.extend(plan, list(range(len(decodes))), self.constrainer)
         for req in [r for r in self.running if not r.is_decoding]:
+            if req.state is not ReqState.RUNNING:
+                continue  # retracted by an earlier one's allocation in this loop: it waits now
             n = admission.chunk(req.extend_len)
             if n == 0 or not self.retraction.alloc_into(req, n):
                 continue  # no budget left, or retracted back to the waiting queue
@@ -243,17 +276,63 @@ class Scheduler:
 
     # ---- booking the step's results ----
     def postprocess(self, plan: StepPlan, out: StepOutput) -> list[Request]:
-        """Books what the step computed; returns the requests that got output or finished."""
+        """Books what the step computed; returns the requests that got output or finished.
+
+        Invariant: each slot the plan allocated ends up booked (counted in its request's kv_len)
+        or freed. `ends[i]` is the end of request i's allocated positions; those in
+        [kv_len, ends[i]) are the ones not booked yet, which a fault of request i frees (`_fail`),
+        so a fault while booking one request fails it alone and the others are booked as they
+        would have been without it."""
+        ends = [req.kv_len + n for req, n in zip(plan.reqs, plan.counts)]
+        for i, reason in out.failed.items():  # failed in the executor: nothing of theirs is booked
+            self._fail(plan.reqs[i], reason, ends[i])
         for i, (req, n) in enumerate(zip(plan.reqs, plan.counts)):
-            if i in out.prompt_logprobs:
-                self._book_prompt_logprobs(req, n, out.prompt_logprobs[i])
-            req.kv_len += 1 if i in plan.drafts else n  # a draft's KV counts once it is accepted
-            if req.kv_len < len(req.tokens):
-                req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
-            elif not plan.sample[i]:
-                self._finish(req, "length")  # max_new_tokens == 0: the prompt was all it asked for
+            if req.finished:
+                continue
+            try:
+                self._book_computed(plan, out, i, n)
+            except Exception as exc:
+                self._fault(req, exc, ends[i])
         if any(plan.sample):
-            self._book_samples(plan, out)
+            self._book_samples(plan, out, ends)
+        return plan.finished + list(plan.reqs)
+
+    def _book_computed(self, plan: StepPlan, out: StepOutput, i: int, n: int) -> None:
+        """Request i's prompt logprobs and KV progress; caches its computed prefix."""
+        req = plan.reqs[i]
+        if i in out.prompt_logprobs:
+            self._book_prompt_logprobs(req, n, out.prompt_logprobs[i])
+        req.kv_len += 1 if i in plan.drafts else n  # a draft's KV counts once it is accepted
+        if req.kv_len < len(req.tokens):
+            req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
+        elif not plan.sample[i]:
+            self._finish(req, "length")  # max_new_tokens == 0: the prompt was all it asked for
+
+    def _fault(self, req: Request, exc: Exception, end: int) -> None:
+        """An exception while booking req: it fails, with the traceback in the log."""
+        logger.error("request %s failed while booking its step", req.rid, exc_info=exc)
+        self._fail(req, f"internal error in postprocess: {type(exc).__name__}: {exc}", end)
+
+    def _fail(self, req: Request, reason: str, end: int | None = None) -> Request:
+        """Ends req with finish reason "error" for a fault while serving it (req.fault, req.error
+        = reason), first freeing the slots at positions [kv_len, end) of its row: those this
+        step allocated that nothing booked."""
+        if req.finished:
+            return req
+        if req.row is not None and end is not None and end > req.kv_len:
+            self.cache.free(self.req_to_slot.read(req.row, end, req.kv_len).to(torch.int64))
+        req.error, req.fault = reason, True
+        logger.warning("request %s failed: %s", req.rid, reason)
+        return self._finish(req, "error")
+
+    def fail_step(self, plan: StepPlan, exc: Exception) -> list[Request]:
+        """A fault not tied to one request (the forward raised): every request of the step fails,
+        the slots the step allocated for them are freed, and their KV computed before this step
+        is cached as on any finish. Returns the requests that finished."""
+        logger.error("a step of %d requests failed; failing them", len(plan.reqs), exc_info=exc)
+        reason = f"internal error in the step: {type(exc).__name__}: {exc}"
+        for req, n in zip(plan.reqs, plan.counts):
+            self._fail(req, reason, req.kv_len + n)
         return plan.finished + list(plan.reqs)
 
     def _book_prompt_logprobs(self, req: Request, n: int, values: list[float] | None) -> None:
@@ -276,7 +355,7 @@ class Scheduler:
             req.itl.extend([(now - req.last_token_time) / k] * k)
         req.last_token_time = now
 
-    def _book_samples(self, plan: StepPlan, out: StepOutput) -> None:
+    def _book_samples(self, plan: StepPlan, out: StepOutput, ends: list[int]) -> None:
         now = time.perf_counter()
         newly_prompt_done = []
         sampled = [i for i, s in enumerate(plan.sample) if s]
@@ -284,50 +363,72 @@ class Scheduler:
         for i, count in zip(sampled, out.counts or [1] * len(sampled)):
             req, rows = plan.reqs[i], range(row, row + count)
             row += count
-            first = not req.output_ids
-            draft = plan.drafts.get(i)
-            computed = 0  # of `news`, the leading tokens whose KV this step computed
-            if draft is not None:  # verified: the accepted drafts (their KV is computed), then one
-                drafts, source = draft
-                end = req.kv_len + len(drafts)
-                news, reason = accepted(drafts, out.token_ids[rows.start:rows.stop]), None
-                self.spec.book(req, source, len(drafts), len(news) - 1)
-                computed = len(news) - 1
-                if req.constraint is not None:
-                    news, reason, computed = self._advance_path(req, news)
-            else:
-                # a constrained request may end here, or append forced tokens (jump-forward) in
-                # place of the sampled one; a request asking for logprobs is never jump-forwarded
-                tok = out.token_ids[rows.start]
-                news, reason = ([tok], None) if req.constraint is None else self.constrainer.advance(req, tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            appended = len(req.output_ids)
-            for j, tok in enumerate(news):
-                r = rows[min(j, count - 1)]
-                req.append(tok)
-                if j < computed:
-                    req.kv_len += 1
-                self.counters.generated_tokens += 1
-                if out.logprobs is not None and req.params.logprobs:
-                    req.output_logprobs.append(out.logprobs[r])
-                if out.top_logprobs is not None and req.params.top_logprobs:
-                    k = req.params.top_logprobs
-                    ids, values = out.top_logprobs[r]
-                    req.output_top_logprobs.append(list(zip(ids[:k], values[:k])))
-                stop = self.stops.check(req, tok)
-                if stop is not None:  # the constraint's own end wins on its last token
-                    reason = reason if reason is not None and j == len(news) - 1 else stop
-                    break
-            if draft is not None:
-                self.spec.free_unused(req, end)
-            self._book_times(req, len(req.output_ids) - appended, first, now)
-            if reason is not None:
-                self._finish(req, reason)
-            elif first:
-                newly_prompt_done.append(req)
+            if req.finished:  # failed above: its rows are not booked
+                continue
+            try:
+                if self._book_sampled(plan, out, i, rows, ends, now):
+                    newly_prompt_done.append(req)
+            except Exception as exc:
+                self._fault(req, exc, ends[i])
         for req in newly_prompt_done:  # share the prompt with siblings and later requests now
-            req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
+            try:
+                req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
+            except Exception as exc:
+                self._fault(req, exc, req.kv_len)
+
+    def _book_sampled(self, plan: StepPlan, out: StepOutput, i: int, rows: range, ends: list[int],
+                      now: float) -> bool:
+        """Appends request i's sampled (and accepted draft) tokens from `rows` of `out`, checks
+        its stops, and finishes it when one is met. True: these were its first tokens, and it
+        goes on (its prompt is cached once the step is booked)."""
+        req = plan.reqs[i]
+        if faults.INJECTED is not None:
+            faults.INJECTED.fire("postprocess", [req])
+        count = len(rows)
+        first = not req.output_ids
+        draft = plan.drafts.get(i)
+        computed = 0  # of `news`, the leading tokens whose KV this step computed
+        if draft is not None:  # verified: the accepted drafts (their KV is computed), then one
+            drafts, source = draft
+            news, reason = accepted(drafts, out.token_ids[rows.start:rows.stop]), None
+            self.spec.book(req, source, len(drafts), len(news) - 1)
+            computed = len(news) - 1
+            if req.constraint is not None:
+                news, reason, computed = self._advance_path(req, news)
+        else:
+            # a constrained request may end here, or append forced tokens (jump-forward) in
+            # place of the sampled one; a request asking for logprobs is never jump-forwarded
+            tok = out.token_ids[rows.start]
+            news, reason = ([tok], None) if req.constraint is None else self.constrainer.advance(req, tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        appended = len(req.output_ids)
+        for j, tok in enumerate(news):
+            r = rows[min(j, count - 1)]
+            req.append(tok)
+            if j < computed:
+                req.kv_len += 1
+            self.counters.generated_tokens += 1
+            if out.logprobs is not None and req.params.logprobs:
+                req.output_logprobs.append(out.logprobs[r])
+            if out.top_logprobs is not None and req.params.top_logprobs:
+                k = req.params.top_logprobs
+                ids, values = out.top_logprobs[r]
+                # a token the constraint forbids (logprob -inf) is no alternative: left out, so
+                # a masked row may list fewer than k (the sampled token is always allowed)
+                req.output_top_logprobs.append([(i, v) for i, v in zip(ids[:k], values[:k])
+                                                if v != float("-inf")])
+            stop = self.stops.check(req, tok)
+            if stop is not None:  # the constraint's own end wins on its last token
+                reason = reason if reason is not None and j == len(news) - 1 else stop
+                break
+        if draft is not None:  # rejected drafts (or accepted past a stop): nothing holds their KV
+            self.spec.free_unused(req, ends[i])
+            ends[i] = req.kv_len
+        self._book_times(req, len(req.output_ids) - appended, first, now)
+        if reason is not None:
+            self._finish(req, reason)
+        return first and reason is None
 
     def _advance_path(self, req: Request, news: list[int]) -> tuple[list[int], str | None, int]:
         """A constrained request's verified tokens through its guide, one by one: (the tokens it
@@ -378,3 +479,9 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         return {"queue": len(self.waiting), "running": len(self.running),
                 "grammar_queue": len(self.grammar_queue)}
+
+
+def constraint_field(req: Request) -> str:
+    """The SamplingParams field that constrains req."""
+    p = req.params
+    return "regex" if p.regex is not None else "json_schema" if p.json_schema is not None else "grammar"

@@ -1,13 +1,20 @@
 """Runs one planned step: the forward over the mixed batch, the prompt logprobs it asked for, the
 constrained rows' masks and sampling. It reads the plan and its requests and changes neither;
-the scheduler books the result (see stemma.engine.plan)."""
+the scheduler books the result (see stemma.engine.plan).
+
+A fault of one request's rows fails that request only: rows whose logits hold NaN or inf, a
+constraint whose mask raises, prompt logprobs that cannot be scored. It goes into
+`StepOutput.failed` and its rows are sampled on harmlessly; the scheduler ends it. A fault of the
+whole step (the forward) raises, and `Engine.step` fails the step's requests."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from stemma.engine import faults
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.sampling.batch import SamplingBatch
 from stemma.sampling.sampler import row_major_float
@@ -19,6 +26,8 @@ if TYPE_CHECKING:
     from stemma.engine.request import Request
     from stemma.executor.runner import ModelRunner
     from stemma.sampling.sampler import Sampler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,6 +42,16 @@ class StepOutput:
     # plan index -> logprobs of the prompt tokens this step scored (None: none of them was a
     # prompt token), for each request whose prompt logprobs are being computed
     prompt_logprobs: dict[int, list[float] | None] = field(default_factory=dict)
+    # plan index -> why the request failed in this step (its other results are not booked)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+PROMPT_LOGPROB_BLOCK = 256  # prompt positions scored at once: bounds the float32 copy of logits
+
+
+def fault_text(where: str, exc: BaseException) -> str:
+    """req.error of a request failed by an exception `where` (an internal error)."""
+    return f"internal error in {where}: {type(exc).__name__}: {exc}"
 
 
 def prompt_logprobs(req: Request, n: int, logits: torch.Tensor) -> list[float] | None:
@@ -44,8 +63,14 @@ def prompt_logprobs(req: Request, n: int, logits: torch.Tensor) -> list[float] |
         return None
     upto = min(req.kv_len + n, prompt_end + 1) - first
     targets = torch.tensor(req.tokens[first + 1:first + 1 + upto], dtype=torch.int64)
-    lp = torch.log_softmax(row_major_float(logits[:upto]), dim=-1).gather(1, targets[:, None])[:, 0]
-    return lp.tolist()
+    values: list[float] = []
+    for at in range(0, upto, PROMPT_LOGPROB_BLOCK):
+        block = row_major_float(logits[at:at + PROMPT_LOGPROB_BLOCK][:upto - at])
+        if not bool(torch.isfinite(block).all()):
+            raise FloatingPointError("the model's logits for its prompt hold NaN or inf")
+        ids = targets[at:at + block.shape[0], None].to(block.device)
+        values += torch.log_softmax(block, dim=-1).gather(1, ids)[:, 0].tolist()
+    return values
 
 
 class Executor:
@@ -58,32 +83,56 @@ class Executor:
 
     def run(self, plan: StepPlan) -> StepOutput:
         fb = self.batch(plan)
+        if faults.INJECTED is not None:
+            faults.INJECTED.fire("forward", plan.reqs)
         logits = self.runner.forward(fb)
         out = StepOutput()
         ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()  # request i's rows end at ends[i]
         rows, sampled, paths = [], [], []
+        owners: list[int] = []  # plan index of each sampled row
         for i, (req, n) in enumerate(zip(plan.reqs, plan.counts)):
             if i in plan.drafts:  # every row: each draft position is sampled (verify)
                 drafts = plan.drafts[i][0]
                 if req.constraint is not None:  # its rows are masked along the drafts' path
-                    paths.append((req.constraint, drafts, range(len(rows), len(rows) + len(drafts) + 1)))
+                    paths.append((i, drafts, range(len(rows), len(rows) + len(drafts) + 1)))
                 rows.extend(range(ends[i] - len(drafts) - 1, ends[i]))
+                owners.extend([i] * (len(drafts) + 1))
                 sampled.extend(virtual_rows(req, drafts))
                 out.counts.append(len(drafts) + 1)
                 continue
             if req.logit_start() is not None:
-                out.prompt_logprobs[i] = prompt_logprobs(req, n, logits[ends[i] - fb.logits_counts[i]:ends[i]])
+                try:
+                    out.prompt_logprobs[i] = prompt_logprobs(
+                        req, n, logits[ends[i] - fb.logits_counts[i]:ends[i]])
+                except Exception as exc:
+                    out.failed[i] = fault_text("prompt logprobs", exc)
             if plan.sample[i]:
                 rows.append(ends[i] - 1)
+                owners.append(i)
                 sampled.append(req)
                 out.counts.append(1)
         if rows:
             if len(rows) != logits.shape[0]:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            for guide, drafts, at in paths:
-                self.constrainer.mask_path(logits, guide, drafts, at)
-            self._sample(sampled, logits, out)
+            logits = self._drop_nonfinite(logits, owners, out)
+            for i, drafts, at in paths:
+                try:
+                    self.constrainer.mask_path(logits, plan.reqs[i].constraint, drafts, at)
+                except Exception as exc:
+                    out.failed.setdefault(i, fault_text("its constraint", exc))
+            self._sample(sampled, logits, owners, out)
         return out
+
+    @staticmethod
+    def _drop_nonfinite(logits: torch.Tensor, owners: list[int], out: StepOutput) -> torch.Tensor:
+        """The logits with each row holding NaN or inf zeroed, its request failed. A sound
+        forward gives finite logits (masks come later), so this is one check per step."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return logits
+        for r in (~finite).nonzero().flatten().tolist():
+            out.failed.setdefault(owners[r], "internal error: the model's logits for it hold NaN or inf")
+        return torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
 
     def batch(self, plan: StepPlan) -> ForwardBatch:
         req_to_slot = self.runner.req_to_slot
@@ -101,11 +150,12 @@ class Executor:
                                   prefix_lens=[r.kv_len for r in reqs], out_slots=out_slots,
                                   req_to_slot=req_to_slot.table, logit_starts=logit_starts)
 
-    def _sample(self, reqs: list[Request | VirtualRow], logits: torch.Tensor, out: StepOutput) -> None:
+    def _sample(self, reqs: list[Request | VirtualRow], logits: torch.Tensor, owners: list[int],
+                out: StepOutput) -> None:
         # constrained rows only: one bitmask, applied in place; unconstrained rows are not touched
         guided = [i for i, r in enumerate(reqs) if r.constraint is not None]
         if guided:
-            self.constrainer.mask(logits, [reqs[i].constraint for i in guided], guided)
+            self._mask(logits, [reqs[i].constraint for i in guided], guided, owners, out)
         batch = SamplingBatch.build(reqs, logits.shape[-1], logits.device, eos_token_ids=self.eos_token_ids)
         sampled = self.sampler.sample(logits, batch)
         out.token_ids = sampled.token_ids.tolist()
@@ -114,3 +164,18 @@ class Executor:
         if sampled.top_logprobs is not None:
             tops = sampled.top_logprobs
             out.top_logprobs = list(zip(tops.ids.tolist(), tops.values.tolist()))
+
+    def _mask(self, logits: torch.Tensor, guides: list, rows: list[int], owners: list[int],
+              out: StepOutput) -> None:
+        """One bitmask for all guided rows; when it fails, each guide alone, so that only the
+        requests whose guide fails are failed (masking a row twice is the same as once)."""
+        try:
+            self.constrainer.mask(logits, guides, rows)
+            return
+        except Exception as exc:
+            logger.warning("a constrained mask failed (%s); masking each guide alone", exc)
+        for guide, row in zip(guides, rows):
+            try:
+                self.constrainer.mask(logits, [guide], [row])
+            except Exception as exc:
+                out.failed.setdefault(owners[row], fault_text("its constraint", exc))

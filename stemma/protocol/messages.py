@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
-__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'Batch', 'CLIENT_REQUESTS']
+__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'CUT_OFF', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'Batch', 'CLIENT_REQUESTS']
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
@@ -26,9 +26,11 @@ MAX_ID_CHARS = 256
 BAD_REQUEST = "bad_request"        # malformed frame or invalid request; the connection stays usable
 TOO_LARGE = "too_large"            # a frame over the size limit
 UNAUTHORIZED = "unauthorized"      # missing or wrong API key
-ENGINE_DEAD = "engine_dead"        # the engine process died; the server is going down
+ENGINE_DEAD = "engine_dead"        # the engine process died or hung; the message says why, and
+                                   # whether it is restarting (retry shortly) or the server stops
 SHUTTING_DOWN = "shutting_down"    # the server is stopping
 OVERLOADED = "overloaded"          # the engine's queue is full; retry later
+CUT_OFF = "cut_off"                # the client did not read its replies: its requests were aborted
 INTERNAL = "internal"              # a bug in the server (its log has the traceback)
 
 

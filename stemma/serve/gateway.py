@@ -14,8 +14,14 @@ HTTP requests reach the same routing table through the in-process Bridge, as mes
 under int peer ids (ZeroMQ peers are bytes). With HTTP on, the gateway also keeps the Prometheus
 metrics (of every request, both fronts) and polls the engine's stats once a second.
 
-A client whose connection closes has its requests aborted (see peer_watch). If the engine process
-exits, every waiting client gets an `engine_dead` error and the gateway exits with status 3.
+A client whose connection closes has its requests aborted (see peer_watch). A client that stops
+reading while its replies pile up (CLIENT_HWM frames queued for it) is cut off: its requests are
+aborted, and it is owed a `cut_off` error per request, sent once it reads again.
+
+The gateway is the engine's parent (serve.supervisor). When the engine dies or hangs, every
+request in flight gets an `engine_dead` error naming the cause, and new ones get the same until a
+fresh engine is ready (restarts are bounded); with no restart left the gateway exits with
+status 3. An error met turning one request's output into text fails that request only.
 
 Run as `python -m stemma.serve.gateway` with a JSON spec (the fields of GatewaySpec) on stdin.
 """
@@ -40,15 +46,18 @@ from stemma.text.detokenizer import TextStream
 from stemma.text.tokenizer import encode_prompt, load_tokenizer, preload_tokenizers
 from stemma.serve.routes import Pending, Routes
 from stemma.serve.peer_watch import PeerWatch, configure
-from stemma.serve.proc_watch import ParentWatch, ProcessWatch
+from stemma.serve.proc_watch import ParentWatch
+from stemma.serve.supervisor import Supervision, Supervisor
 
 POLL_MS = 100
 MAX_BURST = 256           # frames read from one socket before looking at the others
 INTERNAL_HWM = 100_000    # frames queued towards the engine before clients are told to back off
+CLIENT_HWM = 4096         # frames queued for one ZeroMQ client before it is cut off (not reading)
 CLOSE_LINGER_MS = 1000    # time given to final replies (errors) to reach clients on exit
 EXIT_ENGINE_DEAD = 3
 EXIT_HTTP_FAILED = 4
 STATS_PERIOD_S = 1.0
+LINK_WAIT_MS = 5000       # a ready engine's request connection is up by then (normally at once)
 STATS_PEER = 0            # the gateway's own bridge peer: its stats polls (HTTP peers are >= 1)
 
 logger = logging.getLogger("stemma.serve.gateway")  # not __name__: that is __main__ under -m
@@ -59,7 +68,8 @@ class GatewaySpec:
     address: str                   # where clients connect: tcp://host:port or ipc://path
     requests: str                  # gateway -> engine
     outputs: str                   # engine -> gateway
-    engine_pid: int
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # the EngineConfig fields
+    supervision: Supervision = dataclasses.field(default_factory=Supervision)
     api_key: str | None = None
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     log_level: str = "warning"     # one of stemma.log.LEVELS
@@ -75,6 +85,16 @@ class GatewaySpec:
         check_level(self.log_level)
         if self.http_port is not None and not 1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [1, 65535], got {self.http_port}")
+
+    @classmethod
+    def from_json(cls, text: str) -> "GatewaySpec":
+        raw = json.loads(text)
+        return cls(**{**raw, "supervision": Supervision(**raw.get("supervision", {}))})
+
+    def engine_spec(self) -> dict[str, Any]:
+        """The engine process's spec (stemma.engine.process reads it on stdin)."""
+        return {"engine": self.engine, "requests": self.requests, "outputs": self.outputs,
+                "log_level": self.log_level}
 
 
 def _bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
@@ -93,7 +113,7 @@ class Gateway:
         self.key = spec.api_key.encode() if spec.api_key else None
         self.to_engine_sock = _bind(ctx, zmq.PUSH, spec.requests)
         self.from_engine = _bind(ctx, zmq.PULL, spec.outputs)
-        self.engine = ProcessWatch(spec.engine_pid)
+        self.engine = Supervisor(spec.engine_spec(), spec.supervision)  # started by start_engine
         self.routes = Routes()
         self.tokenizer: Any = None
         self.router: zmq.Socket | None = None
@@ -101,6 +121,15 @@ class Gateway:
         self.bridge: Bridge | None = None
         self.http = None            # the HttpState, when there is an HTTP front
         self.next_stats = 0.0
+        # Invariant: `serving` is True exactly while a ready engine is attached; while it is
+        # False, `unavailable` says why, and every request gets an engine_dead error at once.
+        self.serving = False
+        self.unavailable = "the engine is loading"
+        self.poller: zmq.Poller | None = None
+        self._engine_fd: int | None = None   # the pidfd registered in `poller`
+        self.stalled: set[bytes] = set()     # ZeroMQ peers found not reading in this burst
+        self.vanished: set[bytes] = set()    # ZeroMQ peers found unroutable in this burst
+        self.owed: dict[bytes, list[P.ErrorMsg]] = {}  # cut-off peers: errors to send when they read
 
     def attach_http(self, bridge: Bridge, state) -> None:
         self.bridge, self.http = bridge, state
@@ -108,10 +137,13 @@ class Gateway:
 
     # ---- startup ----
     def wait_engine(self, stopping: Callable[[], bool]) -> P.EngineReady | None:
-        """The engine's EngineReady, or None if it exited (or we were told to stop) first."""
-        while not stopping() and not self.engine.exited():
+        """The first engine's EngineReady, or None if it died (`engine.dead()` says how) or we
+        were told to stop first."""
+        while not stopping() and self.engine.dead() is None:
             if self.from_engine.poll(POLL_MS):
-                return P.decode(self.from_engine.recv(), (P.EngineReady,))
+                ready = P.decode(self.from_engine.recv(), (P.EngineReady,))
+                self.engine.on_ready()
+                return ready
         return None
 
     def open(self, ready: P.EngineReady) -> None:
@@ -119,46 +151,64 @@ class Gateway:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         router.setsockopt(zmq.MAXMSGSIZE, 4 * self.spec.max_frame_bytes)  # hard cap: drop the peer
+        # A full queue to a peer raises zmq.Again (see reply) instead of dropping the frame.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, CLIENT_HWM)
         configure(router)
         self.peers = PeerWatch(router)
         router.bind(self.spec.address)
         self.router = router
+        self.serving = True
         logger.debug("listening at %s for %s", self.spec.address, ready.model)
 
     # ---- the loop ----
     def run(self, stopping: Callable[[], bool], orphaned: Callable[[], bool]) -> int:
-        poller = zmq.Poller()
+        self.poller = poller = zmq.Poller()
         for sock in (self.router, self.from_engine, self.peers.monitor):
             poller.register(sock, zmq.POLLIN)
-        if self.engine.fd is not None:
-            poller.register(self.engine.fd, zmq.POLLIN)
+        self._watch_engine()
         if self.bridge is not None:
             poller.register(self.bridge.fd, zmq.POLLIN)
         while True:
-            if self.engine.exited():
-                self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
-                self.fail_all(P.ENGINE_DEAD, "the engine process died; the server is going down")
-                if self.bridge is not None:
-                    self.bridge.flush()
-                return EXIT_ENGINE_DEAD
             if stopping() or orphaned():
                 self.fail_all(P.SHUTTING_DOWN, "the server is shutting down")
-                if self.bridge is not None:
-                    self.bridge.flush()
+                self._flush_bridge()
                 return 0
             events = dict(poller.poll(POLL_MS))
-            for peer in self.peers.gone():  # before reading the ROUTER: see peer_watch
-                self.drop_peer(peer)
+            self.reap()
             if self.from_engine in events:
                 self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
+            if not self.supervise():  # after the drain: a frame just read is a sign of life
+                self._flush_bridge()
+                return EXIT_ENGINE_DEAD
             if self.router in events:
                 self._drain(self.router, self.on_client_guarded)
             if self.bridge is not None:
                 if self.bridge.fd in events:
                     for op in self.bridge.take():
                         self.on_local_guarded(op)
-                self.poll_stats()
+                if self.serving:
+                    self.poll_stats()
                 self.bridge.flush()
+            self.drop_vanished()
+            self.cut_off_stalled()
+            self.pay_owed()
+
+    def reap(self) -> None:
+        """Drops the ZeroMQ peers whose connection closed (see peer_watch)."""
+        for peer in self.peers.gone():
+            self.owed.pop(peer, None)
+            self.stalled.discard(peer)
+            self.drop_peer(peer)
+
+    def drop_vanished(self) -> None:
+        """Drops the peers a reply could not be routed to (EHOSTUNREACH): their connection is
+        gone. peer_watch reports most of them first; this catches a request read from a
+        connection after it closed (see peer_watch), which would otherwise run to its end."""
+        for peer in self.vanished:
+            self.owed.pop(peer, None)
+            self.drop_peer(peer)
+        self.vanished.clear()
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
         for _ in range(MAX_BURST):
@@ -168,8 +218,12 @@ class Gateway:
                 return
             handle(frames)
 
+    def _flush_bridge(self) -> None:
+        if self.bridge is not None:
+            self.bridge.flush()
+
     def close(self) -> None:
-        self.engine.close()
+        self.engine.stop()
         self.to_engine_sock.close()
         self.from_engine.close()
         if self.peers is not None:
@@ -177,22 +231,119 @@ class Gateway:
         if self.router is not None:
             self.router.close()  # lingers, so the last errors reach their clients
 
+    # ---- the engine process ----
+    def start_engine(self) -> None:
+        self._unwatch_engine()
+        self.engine.start()
+        self._watch_engine()
+
+    def _watch_engine(self) -> None:
+        if self.poller is not None and self.engine.fd is not None:
+            self._engine_fd = self.engine.fd
+            self.poller.register(self._engine_fd, zmq.POLLIN)
+
+    def _unwatch_engine(self) -> None:
+        if self.poller is not None and self._engine_fd is not None:
+            self.poller.unregister(self._engine_fd)  # before the Supervisor closes the pidfd
+        self._engine_fd = None
+
+    def supervise(self) -> bool:
+        """Once the engine has died or hung: fails every request in flight with the cause, then
+        starts a fresh engine if the restart budget allows. False when it does not."""
+        cause = self.engine.dead()
+        if cause is None:
+            return True
+        restart, plan = self.engine.may_restart()
+        why = f"{cause}; {plan}"
+        logger.error("%s", why)
+        self.serving, self.unavailable = False, why
+        self.fail_all(P.ENGINE_DEAD, why)
+        if restart:
+            self.start_engine()
+        return restart
+
+    def on_ready(self, ready: P.EngineReady) -> None:
+        """A restarted engine is ready: requests go to it again."""
+        if self.serving:
+            logger.warning("an EngineReady from pid %d while an engine serves; ignored", ready.pid)
+            return
+        self.await_link()
+        self.engine.on_ready()
+        self.serving = True
+        if self.http is not None:
+            self.http.ready(ready, self.tokenizer)
+        logger.info("the engine process (pid %d) is ready again after restart %d", ready.pid,
+                    self.engine.starts - 1)
+
+    def await_link(self) -> None:
+        """Waits until the engine's request connection is up: the engine connects it before it
+        sends EngineReady, but the two connections complete independently, and a PUSH with no
+        connection refuses a non-blocking send."""
+        if not self.to_engine_sock.poll(LINK_WAIT_MS, zmq.POLLOUT):
+            logger.warning("the engine is ready, but its request connection is not up after "
+                           "%d ms", LINK_WAIT_MS)
+
     # ---- replies ----
     def reply(self, peer: bytes | int, msg: P.Message) -> None:
         if isinstance(peer, int):
             self.bridge.deliver(peer, msg)
-        else:
-            self.router.send_multipart([peer, P.encode(msg)])
+            return
+        if peer in self.stalled:  # to be cut off after this burst: what it misses becomes an error
+            return
+        if peer in self.vanished:  # gone: dropped after this burst
+            return
+        try:
+            self.router.send_multipart([peer, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:  # CLIENT_HWM frames wait for it: it does not read
+            self.stalled.add(peer)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            # gone: its connection closed. Dropped after this burst (not now: the caller may
+            # still be using the peer's routes)
+            self.vanished.add(peer)
 
-    def error(self, peer: bytes, rid: str, code: str, message: str) -> None:
+    def error(self, peer: bytes | int, rid: str, code: str, message: str) -> None:
         logger.debug("request %r: replying %s: %s", rid, code, message)
         self.reply(peer, P.ErrorMsg(rid=rid, code=code, message=message))
 
     def fail_all(self, code: str, message: str) -> None:
         if self.http is not None:
-            self.http.going_down(code, message)
+            self.http.unavailable(code, message)
         for pending in self.routes.pop_all():
             self.error(pending.peer, pending.rid, code, message)
+
+    def cut_off_stalled(self) -> None:
+        """Cuts off the ZeroMQ peers that stopped reading: aborts their requests and owes each
+        request an error, sent once the peer reads again (so its memory here stays bounded)."""
+        for peer in self.stalled:
+            dropped = self.drop_peer(peer)
+            logger.warning("a ZeroMQ client stopped reading its replies (%d frames wait for it): "
+                           "cut off, %d requests aborted", CLIENT_HWM, len(dropped))
+            self.owed.setdefault(peer, []).extend(
+                P.ErrorMsg(rid=pending.rid, code=P.CUT_OFF,
+                           message=f"the client did not read its replies ({CLIENT_HWM} frames "
+                                   f"waited for it): the request was aborted")
+                for _, pending in dropped)
+        self.stalled.clear()
+
+    def pay_owed(self) -> None:
+        """Sends cut-off peers their errors, as far as their queues take them."""
+        for peer in list(self.owed):
+            errors = self.owed[peer]
+            while errors:
+                try:
+                    self.router.send_multipart([peer, P.encode(errors[0])], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EHOSTUNREACH:
+                        raise
+                    errors.clear()  # gone: nobody to tell
+                    break
+                errors.pop(0)
+            if not errors:
+                del self.owed[peer]
 
     # ---- from clients ----
     def on_client_guarded(self, frames: list[zmq.Frame]) -> None:
@@ -232,6 +383,8 @@ class Gateway:
 
     def on_client(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
+        if peer in self.owed:  # cut off: ignored until it has read the errors it is owed
+            return
         if len(frames) != 3:
             self.stranger(peer, f"{len(frames) - 1} frames, not [api key, body]")
             self.error(peer, "", P.BAD_REQUEST, "a message is two frames: [api key, body]")
@@ -240,7 +393,10 @@ class Gateway:
             self.error(peer, "", P.UNAUTHORIZED, "missing or wrong API key")
             return
         body = frames[2]
+        # seen() drains the disconnect events first (see peer_watch's invariant); dropping the
+        # peers they name before acting on this frame aborts their requests at once
         self.peers.seen(peer, body)
+        self.reap()
         try:
             msg = P.decode(body.bytes, P.CLIENT_REQUESTS, self.spec.max_frame_bytes)
         except P.ProtocolError as exc:
@@ -259,7 +415,10 @@ class Gateway:
                            self.spec.address, why[:200])
 
     def on_message(self, peer: bytes | int, msg: P.Message) -> None:
-        if isinstance(msg, P.GenerateReq):
+        if not self.serving:  # the engine is restarting (health probes too: not healthy)
+            if not isinstance(msg, P.Abort):
+                self.error(peer, msg.rid, P.ENGINE_DEAD, self.unavailable)
+        elif isinstance(msg, P.GenerateReq):
             self.on_generate(peer, msg)
         elif isinstance(msg, P.Abort):
             gid = self.routes.find(peer, msg.rid)
@@ -268,7 +427,7 @@ class Gateway:
         else:
             self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG))
 
-    def on_generate(self, peer: bytes, msg: P.GenerateReq) -> None:
+    def on_generate(self, peer: bytes | int, msg: P.GenerateReq) -> None:
         try:
             ids = msg.input_ids if msg.input_ids is not None else encode_prompt(self.tokenizer, msg.prompt)
         except ValueError as exc:
@@ -280,7 +439,7 @@ class Gateway:
                           program=msg.program)
         self.forward(peer, dataclasses.replace(msg, prompt=None, input_ids=ids), pending)
 
-    def forward(self, peer: bytes, msg: P.Message, pending: Pending) -> None:
+    def forward(self, peer: bytes | int, msg: P.Message, pending: Pending) -> None:
         """Registers the request and sends it on under its engine-side id."""
         try:
             gid = self.routes.add(pending)
@@ -292,7 +451,7 @@ class Gateway:
         if not self.to_engine(peer, pending.rid, dataclasses.replace(msg, rid=gid)):
             self.routes.pop(gid)
 
-    def to_engine(self, peer: bytes, rid: str, msg: P.Message) -> bool:
+    def to_engine(self, peer: bytes | int, rid: str, msg: P.Message) -> bool:
         try:
             self.to_engine_sock.send(P.encode(msg), zmq.NOBLOCK)
             return True
@@ -300,21 +459,29 @@ class Gateway:
             self.error(peer, rid, P.OVERLOADED, "the engine's queue is full; try again later")
             return False
 
-    def drop_peer(self, peer: bytes | int) -> None:
-        """A client went away: abort its generate requests, forget the rest."""
+    def drop_peer(self, peer: bytes | int) -> list[tuple[str, Pending]]:
+        """A client went away (or was cut off): aborts its generate requests, forgets the rest;
+        returns what it had in flight."""
         dropped = self.routes.pop_peer(peer)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("client %s gone: dropping %d requests %s",
                          peer.hex() if isinstance(peer, bytes) else f"http-{peer}", len(dropped),
                          [pending.rid for _, pending in dropped])
         for gid, pending in dropped:
-            if pending.kind == P.GenerateReq.TAG:
+            if pending.kind == P.GenerateReq.TAG and self.serving:
                 self.to_engine(peer, pending.rid, P.Abort(rid=gid))
+        return dropped
 
     # ---- from the engine ----
     def on_engine(self, frame: zmq.Frame) -> None:
         msg = P.decode(frame.bytes, max_bytes=1 << 62)  # trusted, and may be large
+        self.engine.heard()
         if isinstance(msg, P.Heartbeat):
+            return
+        if isinstance(msg, P.EngineReady):
+            self.on_ready(msg)
+            return
+        if not self.serving:  # a dead engine's last words: its requests have had their error
             return
         for item in msg.items if isinstance(msg, P.Batch) else [msg]:
             pending = self.routes.get(item.rid)
@@ -322,21 +489,40 @@ class Gateway:
                 if isinstance(item, P.Finished) and self.http is not None:
                     self.http.metrics.on_finished(item.finish_reason, item.meta)
                 continue
-            if isinstance(item, P.TokenChunk):
-                text = self.text(pending, item.index).push(item.token_ids) if self.tokenizer else ""
-                self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid, text=text))
-            elif isinstance(item, P.Finished):
-                self.on_finished(item, pending)
-            elif isinstance(item, P.CacheTree):
-                self.routes.pop(item.rid)
-                self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid,
-                                                             requests=self.described(item.requests)))
-            else:  # an error, or the answer to a control request: the request's last word
-                if isinstance(item, P.ErrorMsg):
-                    logger.debug("request %r: the engine replied %s: %s", pending.rid, item.code,
-                                 item.message)
-                self.routes.pop(item.rid)
-                self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid))
+            try:
+                self.on_reply(item, pending)
+            except Exception as exc:  # a detokenizer error, say: this request ends, the rest go on
+                self.fail_request(item.rid, pending, exc)
+
+    def on_reply(self, item: P.Message, pending: Pending) -> None:
+        """One engine reply to `pending` (engine id `item.rid`), on its way to the client."""
+        if isinstance(item, P.TokenChunk):
+            text = self.text(pending, item.index).push(item.token_ids) if self.tokenizer else ""
+            self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid, text=text))
+        elif isinstance(item, P.Finished):
+            self.on_finished(item, pending)
+        elif isinstance(item, P.CacheTree):
+            self.routes.pop(item.rid)
+            self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid,
+                                                         requests=self.described(item.requests)))
+        else:  # an error, or the answer to a control request: the request's last word
+            if isinstance(item, P.ErrorMsg):
+                logger.debug("request %r: the engine replied %s: %s", pending.rid, item.code,
+                             item.message)
+            self.routes.pop(item.rid)
+            self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid))
+
+    def fail_request(self, gid: str, pending: Pending, exc: Exception) -> None:
+        """Ends one request whose reply could not be handled: aborted in the engine, forgotten
+        here, and its client told why."""
+        logger.exception("request %r: its output could not be turned into its reply", pending.rid)
+        if self.routes.get(gid) is pending:
+            self.routes.pop(gid)
+        if pending.kind == P.GenerateReq.TAG:
+            self.to_engine(pending.peer, pending.rid, P.Abort(rid=gid))
+        self.error(pending.peer, pending.rid, P.INTERNAL,
+                   f"the server could not turn the engine's output into text "
+                   f"({type(exc).__name__}: {exc}); the request was aborted")
 
     def described(self, requests: list[dict]) -> list[dict]:
         """The engine's request list with each one's client rid and program added."""
@@ -374,7 +560,7 @@ class Gateway:
 
 
 def main(spec_json: str | None = None) -> int:
-    spec = GatewaySpec(**json.loads(spec_json if spec_json is not None else sys.stdin.read()))
+    spec = GatewaySpec.from_json(spec_json if spec_json is not None else sys.stdin.read())
     configure_logging(spec.log_level, prefix="stemma gateway")
     stop = {"now": False}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # `serve` turns Ctrl-C into SIGTERM for us
@@ -390,13 +576,16 @@ def main(spec_json: str | None = None) -> int:
             except RuntimeError as exc:
                 logger.error("%s", exc)
                 return EXIT_HTTP_FAILED
+        gateway.start_engine()
         preload_tokenizers()  # slow to import: do it while the engine loads
         ready = gateway.wait_engine(lambda: stop["now"] or parent.orphaned())
         if ready is None:
-            if gateway.engine.exited():
-                logger.error("the engine exited before it was ready")
+            cause = gateway.engine.dead()
+            if cause is not None:  # not restarted: a model that fails to load fails again
+                logger.error("%s before it was ready", cause)
                 return EXIT_ENGINE_DEAD
             return 0
+        gateway.await_link()
         gateway.open(ready)
         if gateway.http is not None:
             gateway.http.ready(ready, gateway.tokenizer)

@@ -1,13 +1,14 @@
-"""`stemma serve`: an engine process and a gateway process, started and watched together.
+"""`stemma serve`: a gateway process, which runs and supervises the engine process.
 
-    serve ─┬─ python -m stemma.engine.process   (model, scheduler, radix cache)
-           └─ python -m stemma.serve.gateway          (clients, tokenizer, detokenizer)
+    serve ── python -m stemma.serve.gateway          (clients, tokenizer, detokenizer)
+               └── python -m stemma.engine.process   (model, scheduler, radix cache)
 
 The two talk over ipc sockets in a private temporary folder. Each child gets its spec as JSON on
-stdin (never on the command line, where the API key would show in `ps`). SIGINT and SIGTERM stop
-both children (the gateway first, so that waiting clients hear why). If either child dies, the
-other is stopped and `serve` exits with status 1. Children also exit by themselves when `serve`
-disappears.
+stdin (never on the command line, where the API key would show in `ps`); the engine's comes
+inside the gateway's. The gateway restarts an engine that dies or hangs (serve.supervisor), within
+its budget. SIGINT and SIGTERM stop the gateway, which tells waiting clients why and stops the
+engine. If the gateway exits by itself (the engine died with no restart left), `serve` exits
+with status 1. Each child also exits by itself when its parent disappears.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from stemma.engine_config import EngineConfig
 from stemma.log import check_level
 from stemma.protocol.messages import DEFAULT_MAX_FRAME_BYTES
+from stemma.serve.supervisor import Supervision
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class ServeConfig:
     api_key: str | None = None       # a shared token checked on every message (or $STEMMA_API_KEY)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # also the HTTP body limit
     served_model_name: str | None = None  # the model id of the OpenAI API (default: its file name)
+    supervision: Supervision = field(default_factory=Supervision)  # engine restarts (own flags)
 
     def __post_init__(self):
         for name in ("port", "zmq_port"):
@@ -56,6 +59,8 @@ class ServeConfig:
             raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes}")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
+        if not isinstance(self.supervision, Supervision):
+            raise TypeError(f"supervision must be a Supervision, got {type(self.supervision).__name__}")
 
     @property
     def address(self) -> str:
@@ -77,34 +82,31 @@ def _spawn(module: str, spec: dict[str, Any]) -> subprocess.Popen:
 
 
 class ServerProcesses:
-    """The engine and gateway processes of one server. `address` None: an ipc path of their own.
-    `log_level` (one of stemma.log.LEVELS) is what both children log at, on their stderr."""
+    """The gateway process of one server, which runs the engine process. `address` None: an ipc
+    path of their own. `log_level` (one of stemma.log.LEVELS) is what both log at, on their
+    stderr. `http` None: no HTTP front (`supervision` then says what to do when the engine dies)."""
 
     def __init__(self, engine: EngineConfig, address: str | None = None, api_key: str | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, log_level: str = "warning",
-                 http: ServeConfig | None = None):
+                 http: ServeConfig | None = None, supervision: Supervision | None = None):
         log_level = check_level(log_level)
+        supervision = supervision or (http.supervision if http is not None else Supervision())
         self.folder = tempfile.mkdtemp(prefix="stemma-")  # mode 0700: only we reach the ipc paths
         self.address = address or f"ipc://{self.folder}/client"
         self.api_key = api_key
-        requests, outputs = f"ipc://{self.folder}/requests", f"ipc://{self.folder}/outputs"
-        self.engine = _spawn("stemma.engine.process", {
-            "engine": dataclasses.asdict(engine), "requests": requests, "outputs": outputs,
-            "log_level": log_level})
         self.gateway = _spawn("stemma.serve.gateway", {
-            "address": self.address, "requests": requests, "outputs": outputs,
-            "engine_pid": self.engine.pid, "api_key": api_key, "max_frame_bytes": max_frame_bytes,
-            "log_level": log_level,
+            "address": self.address, "requests": f"ipc://{self.folder}/requests",
+            "outputs": f"ipc://{self.folder}/outputs", "engine": dataclasses.asdict(engine),
+            "supervision": dataclasses.asdict(supervision), "api_key": api_key,
+            "max_frame_bytes": max_frame_bytes, "log_level": log_level,
             **({"http_host": http.host, "http_port": http.port,
                 "served_model_name": http.served_model_name} if http is not None else {})})
-        logger.debug("started the engine (pid %d) and the gateway (pid %d) for %s",
-                     self.engine.pid, self.gateway.pid, self.address)
+        logger.debug("started the gateway (pid %d) for %s", self.gateway.pid, self.address)
 
     def exited(self) -> str | None:
-        """Which child has exited, with its status, or None while both run."""
-        for name, proc in (("engine", self.engine), ("gateway", self.gateway)):
-            if proc.poll() is not None:
-                return f"the {name} process exited with status {proc.returncode}"
+        """How the gateway exited, or None while it runs (it outlives engine restarts)."""
+        if self.gateway.poll() is not None:
+            return f"the gateway process exited with status {self.gateway.returncode}"
         return None
 
     def wait_ready(self, timeout: float | None, stopping: Callable[[], bool] = lambda: False) -> bool:
@@ -124,22 +126,21 @@ class ServerProcesses:
         return False
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM to the gateway, then the engine; SIGKILL for whatever outlives `grace`."""
-        for proc in (self.gateway, self.engine):
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace
-        for proc in (self.gateway, self.engine):
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """SIGTERM to the gateway (which stops the engine); SIGKILL if it outlives `grace` (the
+        engine then exits by itself, as its parent is gone)."""
+        if self.gateway.poll() is None:
+            self.gateway.terminate()
+        try:
+            self.gateway.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.gateway.kill()
+            self.gateway.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def serve(engine: EngineConfig, config: ServeConfig, log_level: str = "info") -> int:
-    """Runs a server until SIGINT/SIGTERM (status 0) or until a child dies (status 1). Its own
+    """Runs a server until SIGINT/SIGTERM (status 0) or until the gateway exits (status 1: the
+    engine died with no restart left, or the HTTP front failed). Its own
     messages go to the `stemma.serve.launch` logger (`stemma.log.configure` shows them, as the
     `stemma` command does); the children log at `log_level`."""
     api_key = config.api_key or os.environ.get(API_KEY_ENV) or None

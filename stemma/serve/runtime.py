@@ -1,4 +1,4 @@
-"""`stemma.Runtime`: a private server (engine + gateway child processes) for this program.
+"""`stemma.Runtime`: a private server (a gateway child process, with its engine) for this program.
 
     with stemma.Runtime() as rt:                 # the default model
         print(rt.client.generate("Hello", {"max_new_tokens": 8}).text)
@@ -15,16 +15,20 @@ from typing import Any
 from stemma.client.sync import Client, connect
 from stemma.engine_config import EngineConfig
 from stemma.serve.launch import ServerProcesses
+from stemma.serve.supervisor import Supervision
 
 
 class Runtime:
     def __init__(self, model: str | None = None, *, start_timeout: float | None = 600.0,
-                 log_level: str = "warning", **engine_config: Any):
+                 log_level: str = "warning", supervision: Supervision | None = None,
+                 **engine_config: Any):
         """`engine_config` takes the fields of EngineConfig, as Engine does; they are checked here,
         before any process starts. `log_level` (one of stemma.log.LEVELS) is what the two
-        children log at, on this process's stderr."""
+        children log at, on this process's stderr. `supervision`: engine restarts, as
+        `stemma serve` does them (its defaults when None)."""
         config = EngineConfig.from_kwargs(model=model, **engine_config)
-        self._procs: ServerProcesses | None = ServerProcesses(config, log_level=log_level)
+        self._procs: ServerProcesses | None = ServerProcesses(config, log_level=log_level,
+                                                              supervision=supervision)
         atexit.register(self.close)
         try:
             self._procs.wait_ready(start_timeout)

@@ -16,7 +16,7 @@ from stemma.lang.backends.base import Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
 from stemma.lang.errors import BackendUnreachable
 from stemma.client.sync import Client, connect
-from stemma.client.core import CONNECTION_LOST, WRONG_PROTOCOL, RequestTimeout, ServerError
+from stemma.client.core import CONNECTION_LOST, WRONG_PROTOCOL, RequestTimeout, ServerError, Unreachable
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ class RemoteBackend(Backend):
         """`client`: a stemma.connect() client (ZeroMQ or HTTP) or an address (tcp://, ipc://,
         http://, https://); `tokenizer`: the served model's tokenizer, when this machine cannot
         load it from the path the server reports."""
-        self.client = connect(client) if isinstance(client, str) else client
+        self.client = connect(client, connect_timeout=connect_timeout) if isinstance(client, str) else client
         self.connect_timeout = connect_timeout
         self._codec: TokenCodec | None = HFCodec(tokenizer) if tokenizer is not None else None
 
@@ -56,6 +56,8 @@ class RemoteBackend(Backend):
                 if hasattr(self.client, "check_protocol"):  # an HttpClient: not at a ZeroMQ port
                     self.client.check_protocol()
                 info = self.client.info(timeout=self.connect_timeout)
+            except Unreachable as exc:  # the client's connect limit: its message names the address
+                raise BackendUnreachable(exc.message) from None
             except RequestTimeout:
                 raise self._unreachable(f"no answer within {self.connect_timeout:g} s") from None
             except ServerError as exc:
@@ -102,7 +104,8 @@ class RuntimeEndpoint(RemoteBackend):
                  tokenizer: PreTrainedTokenizerBase | None = None, connect_timeout: float = 30.0):
         if not isinstance(base_url, str):
             raise TypeError(f"RuntimeEndpoint takes a server address, got {type(base_url).__name__}")
-        super().__init__(connect(base_url, api_key=api_key), tokenizer=tokenizer,
+        super().__init__(connect(base_url, api_key=api_key, connect_timeout=connect_timeout),
+                         tokenizer=tokenizer,
                          connect_timeout=connect_timeout)
         self.base_url = base_url
 

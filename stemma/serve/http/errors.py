@@ -17,7 +17,7 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invali
          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
          500: "internal_error", 503: "service_unavailable"}
 STATUS_OF_CODE = {P.BAD_REQUEST: 400, P.TOO_LARGE: 413, P.UNAUTHORIZED: 401, P.ENGINE_DEAD: 503,
-                  P.SHUTTING_DOWN: 503, P.OVERLOADED: 503, P.INTERNAL: 500}
+                  P.SHUTTING_DOWN: 503, P.OVERLOADED: 503, P.CUT_OFF: 503, P.INTERNAL: 500}
 
 
 class ClientGone(Exception):

@@ -1,8 +1,11 @@
 """What the HTTP routes share: the bridge to the gateway, the tokenizer, the model's facts, the
 metrics, the stats history and the API key check. Made by the gateway; lives on the HTTP thread.
 
-Until the engine is ready (`ready()` not yet called) every route but /health and /metrics answers
-503, and /health answers 503 too.
+Until the engine is ready (`ready()` not yet called), and while it restarts (`unavailable()` until
+the next `ready()`), every route but /health and /metrics answers 503, and /health answers 503 too.
+
+A request's replies wait in its LocalPeer's queue until its handler takes them; a handler that
+stops taking them (a streaming client that does not read) is cut off at MAX_QUEUED replies.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import asyncio
 import collections
 import hmac
 import itertools
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,18 +25,37 @@ from stemma.serve.http.bridge import Bridge
 from stemma.serve.http.errors import ApiError, unavailable
 from stemma.serve.metrics import Metrics
 
+logger = logging.getLogger("stemma.serve.http")
 HISTORY_SAMPLES = 600      # one a second: the last ten minutes
 CALL_TIMEOUT_S = 30.0
+MAX_QUEUED = 4096          # replies waiting for one HTTP request before it is cut off
 
 
 class LocalPeer:
-    """One HTTP request's end of the bridge: messages to the gateway, its replies in a queue."""
+    """One HTTP request's end of the bridge: messages to the gateway, its replies in a queue.
+
+    Invariant: the queue holds at most MAX_QUEUED replies, plus the one cut_off error that
+    replaces everything after them (the peer is closed then, which aborts its requests)."""
 
     def __init__(self, bridge: Bridge):
         self.bridge = bridge
         self.queue: asyncio.Queue[P.Message] = asyncio.Queue()
-        self.id = bridge.open_peer(self.queue.put_nowait)  # runs on the event loop (see Bridge)
+        self.id = bridge.open_peer(self._put)  # runs on the event loop (see Bridge)
         self.closed = False
+        self.cut_off = False
+
+    def _put(self, msg: P.Message) -> None:
+        if self.cut_off:
+            return
+        if self.queue.qsize() >= MAX_QUEUED:
+            self.cut_off = True
+            self.close()
+            logger.warning("an HTTP client stopped reading its stream (%d replies wait for it): "
+                           "cut off, its requests aborted", MAX_QUEUED)
+            msg = P.ErrorMsg(rid="", code=P.CUT_OFF,
+                             message=f"the client did not read its stream ({MAX_QUEUED} replies "
+                                     f"waited for it): the request was aborted")
+        self.queue.put_nowait(msg)
 
     def send(self, msg: P.Message) -> None:
         self.bridge.send(self.id, msg)
@@ -74,7 +97,7 @@ class HttpState:
         self.tokenizer: Any = None
         self.engine: P.EngineReady | None = None
         self.model_id = ""
-        self.down: tuple[str, str] | None = None  # (stemma error code, why) once it no longer serves
+        self.down: tuple[str, str] | None = None  # (stemma error code, why) while it does not serve
         self._rids = itertools.count()
         self._salt = os.urandom(4).hex()
 
@@ -82,9 +105,11 @@ class HttpState:
     def ready(self, engine: P.EngineReady, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.model_id = model_id_of(engine.model, self.served_name)
-        self.engine = engine  # last: routes take `engine is not None` as ready
+        self.engine = engine  # routes take `engine is not None and down is None` as ready
+        self.down = None
 
-    def going_down(self, code: str, why: str) -> None:
+    def unavailable(self, code: str, why: str) -> None:
+        """Not serving (the engine is restarting, or the server stops) until `ready()` again."""
         self.down = (code, why)
 
     # ---- used by the routes ----
