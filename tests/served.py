@@ -1,6 +1,7 @@
 """`stemma serve` as a real subprocess for the server tests, and the process helpers they share."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,6 +13,21 @@ import httpx2
 
 ENGINE = dict(dtype="float32", attention_backend="torch", kv_pool_tokens=8192, max_running_requests=64)
 START_TIMEOUT_S = 180
+
+
+@contextlib.contextmanager
+def raw_dealer(address: str):
+    """A bare ZeroMQ DEALER at `address`, on a context of its own, for sending hand-made frames."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def free_port() -> int:

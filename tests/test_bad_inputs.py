@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx2
 import msgpack
 import pytest
-import zmq
 
 import stemma
 from stemma import protocol as P
@@ -25,7 +24,7 @@ from stemma.engine.request import RequestFailed
 from stemma.lang.stm import compile_text
 from stemma.sampling_params import SamplingParams
 from tests.bytelevel_tokenizer import build_tiny_bytelevel
-from tests.served import ENGINE, HttpServed
+from tests.served import ENGINE, HttpServed, raw_dealer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "reliability.md"
@@ -185,13 +184,8 @@ ZMQ = {  # kind: (frames after the peer's, code, reply rid, words in the message
 
 @pytest.fixture
 def raw(server):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.address)
-    yield sock
-    sock.close()
-    ctx.term()
+    with raw_dealer(server.address) as sock:
+        yield sock
 
 
 def exchange(sock, frames: list) -> P.Message:

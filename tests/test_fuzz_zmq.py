@@ -19,13 +19,12 @@ from typing import Callable
 
 import msgpack
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stemma import protocol as P
 from stemma.sampling_params import SamplingParams
-from tests.served import HttpServed, alive
+from tests.served import HttpServed, alive, raw_dealer
 from tests.tiny_models import build_tiny
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -52,13 +51,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sock(server):
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(server.address)
-    yield s
-    s.close()
-    ctx.term()
+    with raw_dealer(server.address) as sock:
+        yield sock
 
 
 # ---------------------------------------------------------------- strategies

@@ -13,21 +13,19 @@ with status 1. Each child also exits by itself when its parent disappears.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from stemma.engine_config import EngineConfig
 from stemma.log import check_level
 from stemma.protocol.messages import DEFAULT_MAX_FRAME_BYTES
+from stemma.serve.proc_watch import spawn_module, stop_child
 from stemma.serve.supervisor import Supervision
 
 logger = logging.getLogger(__name__)
@@ -74,13 +72,6 @@ class ServeConfig:
         return f"http://{host}:{self.port}"
 
 
-def _spawn(module: str, spec: dict[str, Any]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE)
-    proc.stdin.write(json.dumps(spec).encode())
-    proc.stdin.close()
-    return proc
-
-
 class ServerProcesses:
     """The gateway process of one server, which runs the engine process. `address` None: an ipc
     path of their own. `log_level` (one of stemma.log.LEVELS) is what both log at, on their
@@ -94,7 +85,7 @@ class ServerProcesses:
         self.folder = tempfile.mkdtemp(prefix="stemma-")  # mode 0700: only we reach the ipc paths
         self.address = address or f"ipc://{self.folder}/client"
         self.api_key = api_key
-        self.gateway = _spawn("stemma.serve.gateway", {
+        self.gateway = spawn_module("stemma.serve.gateway", {
             "address": self.address, "requests": f"ipc://{self.folder}/requests",
             "outputs": f"ipc://{self.folder}/outputs", "engine": dataclasses.asdict(engine),
             "supervision": dataclasses.asdict(supervision), "api_key": api_key,
@@ -128,13 +119,7 @@ class ServerProcesses:
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM to the gateway (which stops the engine); SIGKILL if it outlives `grace` (the
         engine then exits by itself, as its parent is gone)."""
-        if self.gateway.poll() is None:
-            self.gateway.terminate()
-        try:
-            self.gateway.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.gateway.kill()
-            self.gateway.wait()
+        stop_child(self.gateway, grace)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

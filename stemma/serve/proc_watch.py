@@ -2,8 +2,12 @@
 process watches its parent so that none outlives the `serve` that started it."""
 from __future__ import annotations
 
+import json
 import os
 import select
+import subprocess
+import sys
+from typing import Any
 
 
 class ProcessWatch:
@@ -51,3 +55,24 @@ class ParentWatch:
 
     def orphaned(self) -> bool:
         return os.getppid() != self.ppid
+
+
+def spawn_module(module: str, spec: dict[str, Any]) -> subprocess.Popen:
+    """`python -m module`, its spec as JSON on stdin (never on the command line, where a key
+    would show in `ps`)."""
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE)
+    proc.stdin.write(json.dumps(spec).encode())
+    proc.stdin.close()
+    return proc
+
+
+def stop_child(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to a child still running, SIGKILL if it outlives `grace` seconds; reaps it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

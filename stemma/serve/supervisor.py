@@ -13,17 +13,15 @@ Supervision is the server's job: the engine itself is crash-only.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from stemma.field_doc import doc
-from stemma.serve.proc_watch import ProcessWatch
+from stemma.serve.proc_watch import ProcessWatch, spawn_module, stop_child
 
 ENGINE_MODULE = "stemma.engine.process"
 STOP_GRACE_S = 5.0   # a stopping engine's time to exit before SIGKILL (serve gives the gateway 10)
@@ -117,9 +115,7 @@ class Supervisor:
 
     def start(self) -> None:
         self._close_watch()
-        self.proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE], stdin=subprocess.PIPE)
-        self.proc.stdin.write(json.dumps(self.spec).encode())
-        self.proc.stdin.close()
+        self.proc = spawn_module(ENGINE_MODULE, self.spec)
         self._watch = ProcessWatch(self.proc.pid)
         self.cause, self.ready, self.starts = None, False, self.starts + 1
         logger.debug("started the engine process (pid %d)", self.proc.pid)
@@ -162,13 +158,8 @@ class Supervisor:
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM, then SIGKILL if it outlives `grace`; reaps it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_child(self.proc, grace)
         self._close_watch()
 
     def _close_watch(self) -> None:
