@@ -69,6 +69,10 @@ class EngineConfig:
     constraint_timeout_s: float = doc(60.0, "seconds a regex, JSON schema or grammar may take to "
                                             "compile (both its check and its build); past it the "
                                             "request fails")
+    heap_trim_interval_s: float = doc(5.0, "the engine process hands freed heap memory back to "
+                                           "the OS (glibc malloc_trim) at most this often while "
+                                           "busy, and when it falls idle; 0: never "
+                                           "(stemma.engine.heap)")
 
     def __post_init__(self):
         def positive(name):
@@ -81,6 +85,8 @@ class EngineConfig:
         for name in ("max_prompt_tokens", "max_new_tokens_limit"):
             if getattr(self, name) is not None:
                 positive(name)
+        if self.heap_trim_interval_s < 0:
+            raise ValueError(f"heap_trim_interval_s must be >= 0, got {self.heap_trim_interval_s}")
         if not self.constraint_timeout_s > 0:
             raise ValueError(f"constraint_timeout_s must be > 0, got {self.constraint_timeout_s}")
         for f in fields(self):

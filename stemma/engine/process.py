@@ -33,6 +33,7 @@ from stemma import protocol as P
 from stemma.log import configure as configure_logging
 from stemma.serve.proc_watch import ParentWatch
 from stemma.engine.cache_tree import cache_tree
+from stemma.engine.heap import HeapTrimmer
 from stemma.engine.request import Request
 from stemma.engine.output import request_output
 from stemma.text.publisher import Publisher
@@ -75,6 +76,7 @@ class EngineLoop:
         self.groups: dict[str, list[str]] = {}    # gateway rid -> engine rids of its n sequences
         self.outbox: list[P.Message] = []
         self.next_beat = 0.0
+        self.heap = HeapTrimmer(engine.config.heap_trim_interval_s)
 
     # ---- intake ----
     def handle(self, msg: P.Message) -> None:
@@ -193,9 +195,14 @@ class EngineLoop:
     def run(self, stopping: Callable[[], bool]) -> None:
         while not stopping():
             self.take_in(0 if self.live else IDLE_POLL_MS)
-            if self.live and not self.step():
+            ran = bool(self.live) and self.step()
+            if self.live and not ran:
                 self.take_in(1)  # dynamic batching waits for its window: doze, but wake on input
             self.flush()
+            if ran:  # after the flush: a trim never delays the tokens of the step before it
+                self.heap.worked()
+            elif not self.live:
+                self.heap.idle()
             self.beat()
 
 
