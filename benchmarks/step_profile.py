@@ -1,13 +1,22 @@
 """Where a single-stream decode step goes, against the floor of its own matmuls.
 
-One request of a 128-token prompt decodes on the default model. Over `--steps` engine steps the
-torch profiler splits self CPU time into matmuls (aten::mm/addmm and the int8/int4 weight-only
-kernels), attention (the torch backend's KV gathers and writes, bmm, softmax, masks) and the
-rest. Then, in the same run, every matrix of the model is timed alone at one row with the kernel
-the dispatch table gave it: their sum is the step's matmul floor, and step / floor is the
-overhead ratio.
+One request of a 128-token prompt decodes on the default model (speculation off, so each step is
+a plain one-row decode; the one-row decode forward compiled or not as --compile-decode says, and
+under `auto` the script waits until the engine has kept or dropped the compiled graph). Over
+`--steps` engine steps the torch profiler splits self CPU time into matmuls (aten::mm/addmm, oneDNN's
+packed linear and the int8/int4 weight-only kernels), attention (the torch backend's KV gathers
+and writes, bmm, softmax, masks) and the rest. Then, in the same run, the step's matrices are
+timed at one row with the kernels the dispatch table gave them, two ways:
 
-    python benchmarks/step_profile.py [--quantization auto] [--steps 20] [--dtype auto]
+- in sequence: every matrix once, in the order the step runs them (layer by layer, then the
+  output matrix), repeated; the weights stream through the caches as they do in the step;
+- each alone: every matrix timed in a loop of its own and the times summed; a layer's small
+  matrices then sit in the CPU's cache, which they never do in the step.
+
+step / floor is the overhead ratio against each. Steps and floors are measured in --rounds
+alternating rounds, each figure the median of its rounds.
+
+    python benchmarks/step_profile.py [--quantization auto] [--steps 20] [--dtype auto] [--compile-decode auto]
 """
 from __future__ import annotations
 
@@ -30,6 +39,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
     args = ap.parse_args()
 
     import stemma
@@ -39,19 +50,54 @@ def main() -> None:
 
     # speculation off: the step measured is a plain one-row decode (a verify step has more rows)
     engine = stemma.Engine(quantization=args.quantization, dtype=args.dtype, kv_pool_tokens=4096,
-                           max_running_requests=2, speculative="none")
+                           max_running_requests=2, speculative="none", compile_decode=args.compile_decode)
     (req,) = engine.submit(list(range(100, 228)),
-                           SamplingParams(temperature=0, max_new_tokens=3 * args.steps + 16, ignore_eos=True))
-    while not req.is_decoding:
+                           SamplingParams(temperature=0, max_new_tokens=3500, ignore_eos=True))
+    compiled = engine.runner.compiled
+    while not req.is_decoding or len(req.output_ids) < 5:
         engine.step()
-    for _ in range(5):
-        engine.step()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    step_ms = statistics.median(times) * 1e3
+    waited = time.perf_counter()
+    while compiled is not None and compiled.state in ("waiting", "compiling", "trial"):
+        engine.step()   # auto: eager steps until the compile starts, while it runs, then its trial
+        if time.perf_counter() - waited > 600:
+            sys.exit("the compiled decode forward was not decided within 600 s")
+    assert len(req.output_ids) < 2000, "the context ran long while waiting"
+
+    model = engine.loaded.model
+    dtype = next(model.parameters()).dtype
+    layer_mats = [m for name, m in model.matrices().items() if name.startswith("model.layers.")]
+    mats = layer_mats + [model.output_matrix()]
+    calls = [(m.weights(), m.kernels.pick(1) if m.kernels else m.weights().kernels[0]) for m in mats]
+    xs = [torch.randn(1, store.shape[1]).to(dtype) for store, _ in calls]
+
+    def in_sequence() -> None:
+        for (store, kernel), x in zip(calls, xs):
+            store.matmul(x, kernel)
+
+    def timed(fn, n: int) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    steps, seq, alone = [], [], []
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            steps.append(timed(engine.step, args.steps))
+            in_sequence()
+            seq.append(timed(in_sequence, args.steps))
+            total = 0.0
+            for (store, kernel), x in zip(calls, xs):
+                store.matmul(x, kernel)
+                n, t0 = 0, time.perf_counter()
+                while n < 5 or time.perf_counter() - t0 < 0.05:
+                    store.matmul(x, kernel)
+                    n += 1
+                total += (time.perf_counter() - t0) / n * 1e3
+            alone.append(total)
+    step_ms, seq_ms, alone_ms = (statistics.median(v) for v in (steps, seq, alone))
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
@@ -62,30 +108,19 @@ def main() -> None:
         split[kind] += ev.self_cpu_time_total / 1e3 / args.steps
     engine.abort(req.rid)
 
-    model = engine.loaded.model
-    floor_ms = 0.0
-    with torch.inference_mode():
-        for matrix in model.matrices().values():
-            store = matrix.weights()
-            kernel = matrix.kernels.pick(1) if matrix.kernels else store.kernels[0]
-            x = torch.randn(1, store.shape[1]).to(next(model.parameters()).dtype)
-            store.matmul(x, kernel)
-            n, t0 = 0, time.perf_counter()
-            while n < 5 or time.perf_counter() - t0 < 0.05:
-                store.matmul(x, kernel)
-                n += 1
-            floor_ms += (time.perf_counter() - t0) / n * 1e3
-
     profiled = sum(split.values())
     stores = "/".join(sorted(set(engine.loaded.stores.values())))
-    print(f"default model, quantization {args.quantization} ({stores} matrices), "
-          f"{next(model.parameters()).dtype}, {torch.get_num_threads()} threads; batch 1, "
-          f"128-token prompt; median of {args.steps} steps")
-    rows = [["decode step (ms, unprofiled)", step_ms, ""],
-            ["its matmuls timed alone (ms, the floor)", floor_ms, ""],
-            ["step / floor", step_ms / floor_ms, ""]]
+    state = compiled.stats() if compiled is not None else {"state": "off"}
+    print(f"default model, quantization {args.quantization} ({stores} matrices), {dtype}, "
+          f"{torch.get_num_threads()} threads; batch 1, 128-token prompt; compiled decode: {state}; "
+          f"medians of {args.rounds} rounds of {args.steps} steps")
+    rows = [["decode step (ms, unprofiled)", step_ms, " ".join(f"{v:.1f}" for v in steps)],
+            ["its matmuls in sequence (ms, the floor)", seq_ms, " ".join(f"{v:.1f}" for v in seq)],
+            ["its matmuls each alone, summed (ms)", alone_ms, " ".join(f"{v:.1f}" for v in alone)],
+            ["step / floor (in sequence)", step_ms / seq_ms, ""],
+            ["step / floor (each alone)", step_ms / alone_ms, ""]]
     rows += [[f"profiled: {k} (ms per step)", v, f"{100 * v / profiled:.0f}%"] for k, v in split.items()]
-    print(table(["what", "value", "share"], rows))
+    print(table(["what", "value", "per round / share"], rows))
 
 
 if __name__ == "__main__":

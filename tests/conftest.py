@@ -13,3 +13,6 @@ os.environ.setdefault("GOMP_SPINCOUNT", "0")  # tests run subprocess servers bes
 # Each of the suite's many tiny models would otherwise measure a kernel dispatch table at first
 # load (stemma.executor.tuning); tests of the tuner itself turn it back on.
 os.environ.setdefault("STEMMA_AUTOTUNE", "0")
+# Likewise `compile_decode="auto"` would compile every engine's one-row decode forward on a
+# background thread; the tests of the compiled path turn it on (stemma.executor.compiled_decode).
+os.environ.setdefault("STEMMA_COMPILE", "0")

@@ -84,7 +84,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, RunnerConfig(
             kv_pool_tokens=cfg.kv_pool_tokens, max_running_requests=cfg.max_running_requests,
-            max_context=cfg.max_context, attention_backend=cfg.attention_backend))
+            max_context=cfg.max_context, attention_backend=cfg.attention_backend,
+            compile_decode=cfg.compile_decode))
         self.eos_token_ids = eos_ids(self.loaded)
         generator = None
         if cfg.random_seed is not None:
@@ -275,6 +276,7 @@ class Engine:
             "tokens_per_s": c.generated_tokens / c.busy_time if c.busy_time else 0.0,
             "steps": c.steps,
             "retractions": c.retractions,
+            "compiled_decode": self.runner.compiled.state if self.runner.compiled is not None else "off",
             **self.scheduler.stats(),
             **self.cache.usage(),
             **(self.spec.stats() if self.spec is not None else {}),

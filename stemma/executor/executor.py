@@ -127,9 +127,11 @@ class Executor:
     def _drop_nonfinite(logits: torch.Tensor, owners: list[int], out: StepOutput) -> torch.Tensor:
         """The logits with each row holding NaN or inf zeroed, its request failed. A sound
         forward gives finite logits (masks come later), so this is one check per step."""
-        finite = torch.isfinite(logits).all(dim=-1)
-        if bool(finite.all()):
+        # a row's sum is finite iff every entry is (logits are far from overflowing a float32
+        # sum): one pass over the 262k-wide rows instead of isfinite's several
+        if bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()):
             return logits
+        finite = torch.isfinite(logits).all(dim=-1)
         for r in (~finite).nonzero().flatten().tolist():
             out.failed.setdefault(owners[r], "internal error: the model's logits for it hold NaN or inf")
         return torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))

@@ -1,11 +1,13 @@
 """The model runner: owns the model, the KV pool and the req->slot table, and runs one forward."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from stemma.attention.select import make_attention_backend
+from stemma.executor.compiled_decode import CompiledDecode, resolve_mode
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool, ReqToSlot
 from stemma.models.layers import ForwardContext
@@ -18,6 +20,7 @@ class RunnerConfig:
     max_running_requests: int = 256
     max_context: int | None = None    # None: the model's max_position_embeddings, capped by the pool
     attention_backend: str = "auto"
+    compile_decode: str = "off"       # on | auto | off (stemma.executor.compiled_decode)
 
     def __post_init__(self):
         if self.kv_pool_tokens < 16:
@@ -43,11 +46,22 @@ class ModelRunner:
         # one spare row, so a full running set can still hold a request being admitted
         self.req_to_slot = ReqToSlot(config.max_running_requests + 1, self.max_context, self.device)
         self.backend = make_attention_backend(config.attention_backend, self.device)
+        mode = resolve_mode(config.compile_decode, self.device, config.attention_backend)
+        self.compiled = CompiledDecode(self.model, self.pool, mode) if mode != "off" else None
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [K, vocab] at fb.logits_indices (model dtype; see CausalLM.forward)."""
-        return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool))
+        compiled = self.compiled
+        if compiled is not None and compiled.wants(fb):
+            logits = compiled.forward(fb)
+            if logits is not None:
+                return logits
+        t0 = time.perf_counter()
+        logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool))
+        if compiled is not None and compiled.state == "trial" and compiled.eligible(fb):
+            compiled.timed(False, time.perf_counter() - t0)
+        return logits
 
     def prepare(self, token_lists, req_rows, prefix_lens, logit_starts=None) -> ForwardBatch:
         """Allocates slots for the new tokens, records them in the rows, and builds the batch."""

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from stemma.attention.base import AttentionLayer
-from stemma.models.layers import ForwardContext, RMSNorm, Rotary
+from stemma.models.layers import Attention, ForwardContext, RMSNorm, Rotary
 from stemma.models.linear import Embedding, Linear, Matrix
 from stemma.models.spec import ModelSpec
 
@@ -46,6 +46,7 @@ class CausalLM(nn.Module):
         layers = [make_layer(spec, self.attention_layer(i), rotaries[spec.layer_rope_keys[i]])
                   for i in range(spec.num_layers)]
         self.model = DecoderStack(spec, layers, self.norm_offset)
+        self._cached_by: list | None = None   # refresh_cached's calls, found on first use
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -76,15 +77,29 @@ class CausalLM(nn.Module):
         when soft-capped); the sampler casts what it needs. On CPU they may be a transposed view
         (see `models.linear`)."""
         ctx.backend.begin(ctx.batch)
-        h = self.embed(ctx.batch.input_ids)
-        for layer in self.model.layers:
-            h = layer(h, ctx)
+        h = (ctx.decoder or self.decoder)(self.embed(ctx.batch.input_ids), ctx)
         h = self.model.norm(h[ctx.batch.logits_indices])
         logits = self.output_matrix().matmul(h)
         cap = self.spec.final_logit_softcap
         if cap:
             logits = torch.tanh(logits.float() / cap) * cap
         return logits
+
+    def decoder(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The decoder layers over the embedded tokens (what a compiled forward replaces)."""
+        for layer in self.model.layers:
+            h = layer(h, ctx)
+        return h
+
+    def refresh_cached(self) -> None:
+        """Makes every scale cached from the weights current, as eager calls do on the way; a
+        compiled graph reads them as they are."""
+        if self._cached_by is None:
+            self._cached_by = [m.qk_scale if isinstance(m, Attention) else m.scale for m in self.modules()
+                               if (isinstance(m, Attention) and m.q_norm is not None)
+                               or (isinstance(m, RMSNorm) and m.offset)]
+        for make in self._cached_by:
+            make()
 
     # ---- weights ----
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

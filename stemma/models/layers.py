@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ class ForwardContext:
     backend: AttentionBackend
     pool: KVPool
     rope_cache: dict = field(default_factory=dict)
+    decoder: Callable[[torch.Tensor, "ForwardContext"], torch.Tensor] | None = None  # None: eager layers
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +51,8 @@ class RMSNorm(nn.Module):
         """`offset + weight` in float32, made again after a load (CausalLM.load_weights calls
         forget_cached: it copies through `.data`, which leaves the version alone) or when the
         weight tensor is replaced or changed in place."""
+        if torch.compiler.is_compiling():  # a compiled step follows an eager one (see CompiledDecode)
+            return self._scale
         key = (self.weight, self.weight._version)
         if self._scale_of is None or self._scale_of[0] is not key[0] or self._scale_of[1] != key[1]:
             self._scale = (self.offset + self.weight.detach().float()).contiguous()
@@ -159,6 +163,8 @@ class Attention(nn.Module):
 
     def qk_scale(self) -> torch.Tensor:
         """[Hq + Hkv, D]: each query head's q-norm scale, then each KV head's k-norm scale."""
+        if torch.compiler.is_compiling():
+            return self._qk
         q, k = self.q_norm.scale(), self.k_norm.scale()
         if self._qk_of is None or self._qk_of[0] is not q or self._qk_of[1] is not k:
             lay = self.layer

@@ -11,7 +11,6 @@ until then every dense matrix uses F.linear.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +34,10 @@ class KernelChoice:
         return cls((1,), (kernel,))
 
     def pick(self, rows: int) -> str:
-        i = bisect.bisect_left(self.max_rows, rows)
-        return self.kernels[min(i, len(self.kernels) - 1)]
+        for max_rows, kernel in zip(self.max_rows, self.kernels):  # a loop a compiler can trace
+            if rows <= max_rows:
+                return kernel
+        return self.kernels[-1]
 
 
 DEFAULT_KERNELS = {"dense": KernelChoice.single("linear"), "int8": KernelChoice.single("int8"),

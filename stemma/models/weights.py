@@ -34,6 +34,18 @@ def packing_available(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@torch.library.custom_op("stemma::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, in] @ W^T through oneDNN's prepacked copy of W: the form a compiled graph calls
+    (Inductor cannot lower the mkldnn op over a packed tensor it did not pack itself)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class DenseWeight:
     """W in the model dtype. The `packed` copy is made on first use; `settle` drops the copy a
     matrix's kernel choice does not use. Invariant: at least one of `weight` and `packed` is held."""
@@ -65,8 +77,11 @@ class DenseWeight:
         return self.packed
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), self._pack(),
-                                               None, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if torch.compiler.is_compiling():  # packed before any compile: the graph only reads it
+            y = packed_linear(rows, self.packed, self._shape[0])
+        else:  # the op itself, without the custom op's Python dispatch (~20 us a call)
+            y = torch.ops.mkldnn._linear_pointwise(rows, self._pack(), None, "none", [], "")
         return y.reshape(*x.shape[:-1], self._shape[0])
 
     def settle(self, kernels: set[str], keep_dense: bool) -> None:

@@ -1,0 +1,135 @@
+"""The one-row decode forward compiled by Inductor: the same logits and greedy tokens as the eager
+forward (float32, tiny random llama and gemma3, packed matrices through stemma::packed_linear),
+the background compile beside running steps, the trial that keeps the faster kind, and the
+fallback to eager when the graph fails."""
+import time
+
+import pytest
+import torch
+
+import stemma
+from stemma import SamplingParams
+from stemma.executor.compiled_decode import START_AFTER, CompiledDecode, Trial, resolve_mode
+from stemma.models.linear import KernelChoice
+from stemma.models.weights import packing_available
+from tests.tiny_models import build_tiny
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+PROMPTS = [[5, 9, 14, 3], list(range(3, 40)), [7] * 12 + [20, 21, 22], [60, 2, 33, 41, 8, 8, 9]]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def folder(request, tmp_path_factory):
+    return str(build_tiny(request.param, tmp_path_factory.mktemp(f"{request.param}_compiled")))
+
+
+def make(folder, **kw):
+    return stemma.Engine(folder, dtype="float32", kv_pool_tokens=1024, max_running_requests=8,
+                         attention_backend="torch", speculative="none", **kw)
+
+
+def force_packed(engine):
+    """Every layer matrix on oneDNN's packed kernel (the tests' tiny models are not tuned), so the
+    graph runs stemma::packed_linear."""
+    for name, matrix in engine.loaded.model.matrices().items():
+        if name.startswith("model.layers.") and packing_available(matrix.weights().weight):
+            matrix.set_kernels(KernelChoice.single("packed"))
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    engine = make(folder, compile_decode="off")
+    force_packed(engine)
+    out = [engine.generate(p, GREEDY).token_ids for p in PROMPTS]
+    assert engine.runner.compiled is None
+    return out
+
+
+def test_compiled_forward_matches_eager(folder, reference):
+    engine = make(folder, compile_decode="off")
+    force_packed(engine)
+    compiled = engine.runner.compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "on")
+    assert compiled.state == "kept"
+    # one request at a time: every decode step is a one-row forward, which the graph serves
+    assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == reference
+    assert compiled.calls >= len(PROMPTS) * (GREEDY.max_new_tokens - 1)
+    # the logits themselves, compiled and eager, on one request's next position
+    (req,) = engine.submit(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    while len(req.output_ids) < 2:
+        engine.step()
+    runner = engine.runner
+    fb = runner.prepare([[req.output_ids[-1]]], [req.row], [req.kv_len])
+    assert compiled.eligible(fb)
+    with torch.inference_mode():
+        got = compiled.forward(fb)
+        runner.compiled = None
+        want = runner.forward(fb)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=1e-5)
+    runner.pool.allocator.free(fb.out_slots)
+    runner.compiled = compiled
+    engine.abort(req.rid)
+    # batches of several requests run eager, and give the same tokens
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    engine.check_pool_whole()
+
+
+def test_background_compile_while_steps_run(folder, reference, monkeypatch):
+    monkeypatch.setenv("STEMMA_COMPILE", "1")
+    engine = make(folder, compile_decode="auto")
+    compiled = engine.runner.compiled
+    assert compiled is not None
+    outputs, deadline = [], time.monotonic() + 600
+    assert compiled.state == "waiting"
+    while compiled.state in ("waiting", "compiling", "trial") and time.monotonic() < deadline:
+        outputs.append(engine.generate(PROMPTS[len(outputs) % len(PROMPTS)], GREEDY).token_ids)
+    assert compiled.state in ("kept", "dropped"), compiled.stats()
+    stats = compiled.stats()
+    assert stats["compiled_ms"] > 0 and stats["eager_ms"] > 0 and stats["compile_s"] > 0
+    assert engine.stats()["compiled_decode"] == compiled.state
+    assert compiled.eligible_seen == START_AFTER
+    assert all(out == reference[i % len(PROMPTS)] for i, out in enumerate(outputs))
+    engine.check_pool_whole()
+
+
+def test_a_failing_graph_falls_back_to_eager(folder, reference):
+    engine = make(folder, compile_decode="on")
+    compiled = engine.runner.compiled
+    assert compiled.state == "kept"
+
+    def broken(h, ctx):
+        raise RuntimeError("a graph that fails")
+    compiled.graph = broken
+    force_packed(engine)
+    assert engine.generate(PROMPTS[0], GREEDY).token_ids == reference[0]
+    assert compiled.state == "failed" and engine.stats()["compiled_decode"] == "failed"
+
+
+def test_trial_keeps_the_faster_kind():
+    trial = Trial(n=3)
+    order = []
+    for compiled_s, eager_s in [(0.02, 0.03), (0.05, 0.03), (0.021, 0.031)]:
+        for _ in range(2):
+            kind = trial.compiled_next()
+            order.append(kind)
+            trial.record(kind, compiled_s if kind else eager_s)
+        assert trial.verdict() is None or len(order) == 6
+    assert order == [True, False] * 3       # alternating, compiled first
+    assert trial.verdict() is True           # medians 21 ms against 30 ms
+    slow = Trial(n=1)
+    slow.record(True, 0.05)
+    slow.record(False, 0.04)
+    assert slow.verdict() is False
+
+
+def test_where_it_applies(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mode("on", cpu, "auto") == "on"
+    assert resolve_mode("on", cpu, "triton") == "off"   # the graph is the torch backend's
+    assert resolve_mode("auto", cuda, "auto") == "off"
+    monkeypatch.setenv("STEMMA_COMPILE", "0")
+    assert resolve_mode("auto", cpu, "auto") == "off"
+    assert resolve_mode("on", cpu, "torch") == "on"     # the variable steers auto only
+    monkeypatch.setenv("STEMMA_COMPILE", "1")
+    assert resolve_mode("auto", cpu, "torch") == "auto"
+    with pytest.raises(ValueError, match="compile_decode"):
+        stemma.EngineConfig(compile_decode="always")
