@@ -142,6 +142,19 @@ class StemmaSide:
             traces = [await self.one(clients[0], j) for j in jobs]
         return time.perf_counter() - t0, list(traces)
 
+    def compile_state(self) -> str:
+        return str(self._clients(1)[0].info()["stats"].get("compiled_decode", "off"))
+
+    async def settle_compile(self, prompts: Prompts, args, limit_s: float = 600.0) -> None:
+        """Single-stream requests until the engine has decided on its compiled one-row decode
+        forward (compile_decode=auto compiles on a background thread after 128 single-request
+        forwards, then times it against eager), so that no round pays for the compile."""
+        t0 = time.perf_counter()
+        while self.compile_state() in ("waiting", "compiling", "trial") and time.perf_counter() - t0 < limit_s:
+            await self.run([Job(prompts.ids(), args.new_tokens)], concurrent=False)
+        print(f"stemma's compiled decode: {self.compile_state()} (after {time.perf_counter() - t0:.0f} s of "
+              f"single-stream warm-up)", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         for c in self.clients:
             c.close()
@@ -412,6 +425,8 @@ async def run_all(args, stemma: StemmaSide, llama: LlamaSide, tokenizer) -> dict
         prompts = Prompts(tokenizer, args.prompt_len, seed=args.seed * 1000 + si)
         for side in (stemma, llama):  # warm-up: first-use allocations at this batch size
             await side.run(warmup_jobs(scenario, prompts, args), concurrent)
+        if scenario == "single":  # a single stream starts the engine's decode compile: let it settle
+            await stemma.settle_compile(prompts, args)
         per_side = {"stemma": [], "llama.cpp": []}
         for rnd in range(args.rounds):
             jobs = jobs_for(scenario, prompts, args, seed=args.seed * 1000 + 100 * si + rnd)

@@ -86,7 +86,7 @@ def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     stats = compiled.stats()
     assert stats["compiled_ms"] > 0 and stats["eager_ms"] > 0 and stats["compile_s"] > 0
     assert engine.stats()["compiled_decode"] == compiled.state
-    assert compiled.eligible_seen == START_AFTER
+    assert compiled.single_seen == START_AFTER
     assert all(out == reference[i % len(PROMPTS)] for i, out in enumerate(outputs))
     engine.check_pool_whole()
 

@@ -13,8 +13,8 @@ other forward runs eager.
 Modes (`EngineConfig.compile_decode`):
 - `on`: compiled in the constructor and used from then on.
 - `auto` (CPU only; `STEMMA_COMPILE=0` makes it `off`, as the test suite does): once the engine
-  has run START_AFTER one-row decode forwards (so a one-off command that decodes a few dozen
-  tokens never pays for a compile), the graph is compiled on a background thread (15-30 s on
+  has run START_AFTER forwards of a single request (decodes or speculative verifies: a
+  single-stream user; a one-off command that decodes a few dozen tokens never pays for it), the graph is compiled on a background thread (15-30 s on
   2 cores; Inductor's on-disk cache shortens later starts) while steps run eager. Then the next
   TRIALS eligible forwards of each kind alternate, and the compiled graph is kept only if its
   median forward is faster: measured on the machine.
@@ -47,7 +47,7 @@ from stemma.models.layers import ForwardContext
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "STEMMA_COMPILE"
-START_AFTER = 128    # one-row decode forwards before auto starts compiling
+START_AFTER = 128    # forwards of one request before auto starts compiling
 TRIALS = 8          # timed forwards of each kind before auto keeps or drops the graph
 DUMMY_CONTEXT = 16  # the compile's dummy request attends to this many (padding) slots + itself
 
@@ -106,7 +106,7 @@ class CompiledDecode:
         self.graph = torch.compile(_own_code(model.decoder), dynamic=True, fullgraph=True,
                                    options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.state = "waiting"     # (auto) waiting -> compiling -> trial -> kept | dropped; or failed
-        self.eligible_seen = 0
+        self.single_seen = 0       # forwards of one request (decode or verify) while waiting
         self.trial = Trial()
         self.compile_s: float | None = None
         self.calls = 0             # forwards the graph served
@@ -149,14 +149,13 @@ class CompiledDecode:
 
     def wants(self, fb: ForwardBatch) -> bool:
         """Whether this forward should run compiled (during the trial: every other one)."""
-        if not self.eligible(fb):
-            return False
-        if self.state == "waiting":
-            self.eligible_seen += 1
-            if self.eligible_seen >= START_AFTER:
+        if self.state == "waiting" and fb.batch_size == 1:
+            self.single_seen += 1
+            if self.single_seen >= START_AFTER:
                 self.state = "compiling"
                 self.thread = threading.Thread(target=self._compile, name="stemma-compile", daemon=True)
                 self.thread.start()
+        if not self.eligible(fb):
             return False
         if self.state == "trial":
             return self.trial.compiled_next()
