@@ -14,6 +14,19 @@ MAX_DRAFT_TOKENS = 16
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")  # loader.model.resolve_dtype
 
 
+# The seed's two scenarios and the middle: each preset sets these fields unless they are given.
+PRESETS: dict[str, dict[str, Any]] = {
+    # chat: small, fluid batches; every step kept within 2 one-row decode steps, first tokens
+    # within a second, prompts prefilled in short chunks between decode steps
+    "interactive": {"max_running_requests": 32, "chunked_prefill_size": 256, "schedule_policy": "fcfs",
+                    "itl_slo_steps": 2.0, "ttft_slo_ms": 1000.0},
+    "balanced": {"max_running_requests": 64, "chunked_prefill_size": 512, "itl_slo_steps": 4.0},
+    # batch processing: large, stable batches, long prefill chunks, prefix reuse first, no targets
+    "throughput": {"max_running_requests": 256, "chunked_prefill_size": 4096,
+                   "max_prefill_tokens": 16384, "schedule_policy": "lpm"},
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Each field's help text is its `stemma ... --help` description (see stemma.field_doc)."""
@@ -74,6 +87,19 @@ class EngineConfig:
     constraint_timeout_s: float = doc(60.0, "seconds a regex, JSON schema or grammar may take to "
                                             "compile (both its check and its build); past it the "
                                             "request fails")
+    # SLO scheduling (stemma.engine.slo): defaults for requests that name no target
+    itl_slo_ms: float | None = doc(None, "inter-token latency target in ms for requests that "
+                                         "give none; not given: no target")
+    itl_slo_steps: float | None = doc(None, "the same target as a multiple of this machine's "
+                                            "one-row decode step (measured at load); "
+                                            "--itl-slo-ms wins")
+    ttft_slo_ms: float | None = doc(None, "time-to-first-token target in ms for requests that "
+                                          "give none; not given: no target")
+    priority_preemption_gap: int = doc(10, "a waiting request preempts running ones whose "
+                                           "priority is at least this much lower")
+    preset: str | None = doc(None, "interactive, balanced or throughput: sets the batch, chunk, "
+                                   "policy and latency-target options not given explicitly "
+                                   "(see PRESETS)", values=tuple(PRESETS))
     heap_trim_interval_s: float = doc(5.0, "the engine process hands freed heap memory back to "
                                            "the OS (glibc malloc_trim) at most this often while "
                                            "busy, and when it falls idle; 0: never "
@@ -90,6 +116,13 @@ class EngineConfig:
         for name in ("max_prompt_tokens", "max_new_tokens_limit"):
             if getattr(self, name) is not None:
                 positive(name)
+        for name in ("itl_slo_ms", "itl_slo_steps", "ttft_slo_ms"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.priority_preemption_gap < 1:
+            raise ValueError(f"priority_preemption_gap must be >= 1, got {self.priority_preemption_gap}")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.heap_trim_interval_s < 0:
             raise ValueError(f"heap_trim_interval_s must be >= 0, got {self.heap_trim_interval_s}")
         if not self.constraint_timeout_s > 0:
@@ -124,4 +157,7 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown engine options: {', '.join(unknown)}")
-        return cls(**kwargs)
+        preset = kwargs.get("preset")
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+        return cls(**{**PRESETS.get(preset, {}), **kwargs})  # what is given wins over the preset

@@ -142,6 +142,13 @@ class SamplingParams:
                                                "(a dict or its JSON text); normalized to compact "
                                                "JSON text")
     grammar: str | None = doc(None, "the output must parse under this Lark-syntax grammar")
+    # how the request is scheduled (stemma.engine.slo), not how it samples
+    priority: int = doc(0, "scheduling priority, higher first; a waiting request may preempt "
+                           "running ones at least --priority-preemption-gap lower")
+    ttft_slo_ms: float | None = doc(None, "time-to-first-token target in ms; not given: the "
+                                          "engine's --ttft-slo-ms")
+    itl_slo_ms: float | None = doc(None, "inter-token latency target in ms; not given: the "
+                                         "engine's --itl-slo-ms")
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 0)
@@ -176,6 +183,10 @@ class SamplingParams:
         _check_text("regex", self.regex)
         object.__setattr__(self, "json_schema", _normalize_schema(self.json_schema))
         _check_text("grammar", self.grammar)
+        _check_int("priority", self.priority, -2**31)
+        for name in ("ttft_slo_ms", "itl_slo_ms"):
+            if getattr(self, name) is not None:
+                _check_real(name, getattr(self, name), 0.0, low_open=True)
         given = [name for name in ("regex", "json_schema", "grammar") if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}: give at most one of "

@@ -42,6 +42,9 @@ BAD_VALUES = [
     ("json_schema", "{not json"), ("json_schema", "[1]"), ("json_schema", 3),
     ("json_schema", {"x": float("nan")}),
     ("grammar", ""), ("grammar", b"start: x"),
+    ("priority", 1.5), ("priority", True), ("priority", -2**31 - 1),
+    ("ttft_slo_ms", 0), ("ttft_slo_ms", math.inf), ("ttft_slo_ms", "5"),
+    ("itl_slo_ms", -1.0), ("itl_slo_ms", math.nan),
 ]
 
 

@@ -17,6 +17,8 @@ from stemma.engine.request import Request, RequestFailed
 from stemma.engine.scheduler import Scheduler
 from stemma.engine.stop import StopRule
 from stemma.engine_config import EngineConfig
+from stemma.engine.step_cost import StepCost, StepShape
+from stemma.engine.warmup import warm_up
 from stemma.executor import tuning
 from stemma.executor.executor import Executor, fault_text
 from stemma.executor.runner import ModelRunner, RunnerConfig
@@ -96,11 +98,19 @@ class Engine:
         self.cache = RadixCache(self.runner.pool.allocator, self.runner.req_to_slot, cfg.enable_radix_cache)
         self.spec = make_speculation(cfg, self.cache, self.runner.req_to_slot, self.runner.max_context,
                                      target=self.runner)
+        self.step_cost = StepCost()
         self.scheduler = Scheduler(cfg, self.cache, self.runner.req_to_slot, self.constrainer,
                                    StopRule(self.eos_token_ids, self.runner.max_context, self.tokenizer),
-                                   self.spec)
+                                   self.spec, self.step_cost)
         self.executor = Executor(self.runner, self.sampler, self.constrainer, self.eos_token_ids)
         self.limits = Limits.of(cfg, self.runner.max_context)
+        if cfg.itl_slo_ms is not None or cfg.itl_slo_steps is not None or cfg.ttft_slo_ms is not None:
+            self.warm_up_step_cost()
+
+    def warm_up_step_cost(self) -> None:
+        """Seeds the step-cost model (and the one-row decode step that itl_slo_steps counts in)
+        with synthetic forwards of a few shapes, each run on KV slot 0, which no request holds."""
+        self.scheduler.slo.one_row_s = warm_up(self.runner, self.step_cost)
 
     # ---- requests ----
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -154,12 +164,15 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return plan.finished
+        shape = StepShape.of(plan)
+        predicted = self.step_cost.predict(shape)
         try:
             out = self.executor.run(plan)
         except Exception as exc:  # not tied to one request: the step's requests fail, not the engine
             return self.scheduler.fail_step(plan, exc)
         touched = self.scheduler.postprocess(plan, out)
         seconds = time.perf_counter() - start
+        self.step_cost.observe(shape, seconds, predicted)
         counters = self.scheduler.counters
         counters.steps += 1
         counters.busy_time += seconds

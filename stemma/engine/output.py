@@ -21,6 +21,8 @@ def request_meta(req: Request) -> dict[str, Any]:
         "itl": list(req.itl),
         "retractions": req.retractions,
     }
+    if req.slo is not None:  # its targets, what it got, which it met (stemma.engine.slo)
+        meta["slo"] = req.slo
     if req.error is not None:  # finish_reason "error": why (a constraint that failed to build)
         meta["error"] = req.error
     return meta

@@ -71,6 +71,7 @@ class Request:
                                                     # after the first: len == len(output_ids) - 1
     finish_time: float | None = None
     admitted_once: bool = False
+    slo: dict | None = None          # scored against its latency targets at its end (engine.slo)
 
     def __post_init__(self):
         self.tokens: list[int] = list(self.input_ids) + list(self.output_ids)

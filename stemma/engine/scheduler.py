@@ -12,6 +12,12 @@ never calls the model (see stemma.engine.plan for the step contract).
 When the pool runs dry, the running request with the least progress is retracted (Retraction).
 A waiting request is radix-matched once per step (PrefixMatches).
 
+Priorities and latency targets (stemma.engine.slo), when any request or the engine sets one:
+before the running requests are scheduled, a waiting request of high priority may preempt
+lower ones, and lower priorities give way when the step would run past the tightest inter-token
+target; the prefill budget and the admissions are then held to that target (the step-cost model,
+stemma.engine.step_cost), and the waiting queue is ordered by priority and TTFT deadline.
+
 Constrained requests (regex / json_schema / grammar) first wait in the grammar queue, outside the
 batch, while their Index builds on a background thread; the batch never waits for them. Once in
 the batch, only their rows are masked, and jump-forward may append forced tokens after a sample,
@@ -42,6 +48,8 @@ from stemma.engine.plan import StepPlan
 from stemma.engine.prefix_match import PrefixMatches
 from stemma.engine.request import ReqState, Request
 from stemma.engine.retraction import Retraction
+from stemma.engine.slo import MIN_CHUNK, Slo, victims
+from stemma.engine.step_cost import StepCost, StepShape
 from stemma.engine.stop import StopRule
 from stemma.speculative.verify import accepted
 
@@ -62,8 +70,12 @@ GUIDE_WAIT_S = 1.0         # `wait` while a guide builds (its completion wakes i
 
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: RadixCache, req_to_slot: ReqToSlot,
-                 constrainer: Constrainer, stops: StopRule, spec: Speculation | None = None):
+                 constrainer: Constrainer, stops: StopRule, spec: Speculation | None = None,
+                 cost: StepCost | None = None):
         self.config = config
+        self.cost = cost if cost is not None else StepCost()
+        self.slo = Slo(config, self.cost)
+        self.target: tuple[float, int] | None = None  # this step's (T, priority holding it)
         self.spec = spec
         self.cache = cache
         self.req_to_slot = req_to_slot
@@ -193,6 +205,10 @@ class Scheduler:
         self.retraction.begin_step()
         admission = Admission(self.config, self.cache, self.req_to_slot, self.running, self.matches,
                               self.retraction, self.counters)
+        self.target = None
+        if self.slo.in_play(self.running) or self.slo.in_play(self.waiting):
+            self._preempt_for_priority()
+            self.target = self._give_way()
         self._schedule_running(plan, admission)
         if self._may_admit():
             self._admit(plan, admission)
@@ -233,16 +249,99 @@ class Scheduler:
         for req in [r for r in self.running if not r.is_decoding]:
             if req.state is not ReqState.RUNNING:
                 continue  # retracted by an earlier one's allocation in this loop: it waits now
-            n = admission.chunk(req.extend_len)
+            n = self._timed_chunk(plan, req, admission.chunk(req.extend_len), req.kv_len)
             if n == 0 or not self.retraction.alloc_into(req, n):
                 continue  # no budget left, or retracted back to the waiting queue
             admission.take(n)
             plan.add(req, n)
             scheduled.add(id(req))
 
+    # ---- priorities and latency targets (stemma.engine.slo) ----
+    def _preempt_for_priority(self) -> None:
+        """Retracts running requests at least priority_preemption_gap below a waiting request
+        that has no room (batch full, KV short), lowest first, until it has."""
+        gap = self.config.priority_preemption_gap
+        rows = tokens = 0  # what the waiting requests seen so far will claim
+        for req in self.slo.order(list(self.waiting)):
+            pool = victims(self.running, req.params.priority - gap + 1)
+            if not pool:
+                break  # in priority order: the ones after it have no victims either
+            need = min(len(req.tokens) - self.matches.length_and_node(req)[0],
+                       self.config.chunk_size or len(req.tokens))
+            while pool and not (len(self.running) + rows < self.config.max_running_requests
+                                and self.req_to_slot.available > rows
+                                and self.retraction.room() >= tokens + need):
+                self.retraction.retract(pool.pop(0))
+                self.counters.preemptions += 1
+            rows, tokens = rows + 1, tokens + need
+
+    def _decode_shape(self) -> StepShape:
+        shape = StepShape()
+        for r in self.running:
+            if r.is_decoding:
+                shape.decode(len(r.tokens))
+        return shape
+
+    def _give_way(self) -> tuple[float, int] | None:
+        """This step's target (T, the priority of the request holding it), after retracting
+        running requests of lower priority while the decodes (and the first chunk of the most
+        urgent waiting request) are predicted past T."""
+        first = self.slo.order(list(self.waiting))[:1]
+        held = self.slo.step_target(self.running + first)
+        if held is None or not self.cost.ready:
+            return held
+        target, holder = held
+        pool = victims(self.running, holder)
+        while True:
+            shape = self._decode_shape()
+            for req in first:
+                if req.params.priority >= holder:
+                    shape.prefill(min(len(req.tokens) - self.matches.length_and_node(req)[0], MIN_CHUNK), 0)
+            if not pool or self.slo.fits(shape, target):
+                return held
+            self.retraction.retract(pool.pop(0))
+            self.counters.slo_give_way += 1
+
+    def _urgent(self, plan: StepPlan, req: Request, admitting: bool) -> bool:
+        """Whether req progresses whatever the step's time: a priority above the target's
+        holder; an equal one once admitted, or the first when nothing else runs."""
+        holder = self.target[1]
+        if req.params.priority != holder:
+            return req.params.priority > holder
+        return not admitting or not (plan.reqs or any(r.is_decoding for r in self.running))
+
+    def _timed_chunk(self, plan: StepPlan, req: Request, n: int, prefix: int, admitting: bool = False) -> int:
+        """Of n prefill tokens for req this step, those that keep the step within its target; an
+        urgent request gets MIN_CHUNK whatever the time."""
+        if self.target is None or n == 0:
+            return n
+        target = self.target[0]
+        own = self.slo.itl_target(req)
+        room = self.slo.prefill_room(StepShape.of(plan), min(target, own) if own else target, prefix, n)
+        if self._urgent(plan, req, admitting):
+            room = max(room, min(n, MIN_CHUNK))
+        return room
+
+    def _admit_fits(self, plan: StepPlan, req: Request) -> bool:
+        """Whether the decode steps after req joins stay within the target (an urgent request
+        always joins)."""
+        if self.target is None:
+            return True
+        target = self.target[0]
+        own = self.slo.itl_target(req)
+        if self._urgent(plan, req, admitting=True):
+            return True
+        shape = self._decode_shape()
+        for r in plan.reqs[plan.decodes:]:  # admitted or prefilling now: decodes soon
+            shape.decode(len(r.tokens))
+        shape.decode(len(req.tokens))
+        return self.slo.fits(shape, min(target, own) if own else target)
+
     def _admit(self, plan: StepPlan, admission: Admission) -> None:
         ordered = policy.order(self.waiting, self.config.schedule_policy, self.matches.length_and_node,
                                self.config.lpm_fallback_queue)
+        if self.target is not None or self.slo.in_play(ordered):
+            ordered = self.slo.order(ordered)
         continuous = self.config.batching == "continuous"
         # requests whose prompt KV is being computed now; a waiting request that shares a long
         # uncached prefix with one of them waits a step and then reads that prefix from the cache
@@ -252,7 +351,18 @@ class Scheduler:
                 break
             if continuous and self._shares_uncached_prefix(req, computing):
                 continue
+            if not self._admit_fits(plan, req):
+                continue
+            budget = admission.budget
+            if self.target is not None:  # this admission's chunk kept within the step's target
+                cached = self.matches.length_and_node(req)[0]
+                admission.budget = self._timed_chunk(plan, req, min(budget, len(req.tokens) - cached), cached,
+                                                     admitting=True)
+                if admission.budget == 0:
+                    admission.budget = budget
+                    continue
             n = admission.admit(req, enforce_reserve=continuous)
+            admission.budget = budget
             if n is None:
                 if continuous:
                     break
@@ -460,6 +570,8 @@ class Scheduler:
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
+        if reason != "abort":
+            req.slo = self.slo.attainment.score(req, self.slo)
         logger.debug("finished %s: %s after %d tokens", req.rid, reason, len(req.output_ids))
         return req
 
@@ -476,9 +588,11 @@ class Scheduler:
             return False
         return self.cache.flush()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         return {"queue": len(self.waiting), "running": len(self.running),
-                "grammar_queue": len(self.grammar_queue)}
+                "grammar_queue": len(self.grammar_queue), "preemptions": self.counters.preemptions,
+                "slo_give_way": self.counters.slo_give_way, "slo": self.slo.attainment.stats(),
+                "step_cost": self.cost.stats()}
 
 
 def constraint_field(req: Request) -> str:

@@ -60,6 +60,17 @@ class Metrics:
         self.retractions = counter("retractions_total", "Retractions of finished sequences.")
         self.gauges = {suffix: Gauge(PREFIX + suffix, f"The engine's {key}.", registry=r)
                        for suffix, key in GAUGES.items()}
+        # latency targets (stemma.engine.slo): per priority, from each finished sequence's meta
+        self.slo_requests = counter("slo_requests_total", "Finished sequences that had a latency "
+                                    "target, by priority.", ("priority",))
+        self.slo_met = counter("slo_met_total", "Of those, the ones that met every target, by "
+                               "priority.", ("priority",))
+        self.step_predicted = Gauge(PREFIX + "step_time_predicted_seconds", "The step-cost model's "
+                                    "prediction for the engine's latest step.", registry=r)
+        self.step_actual = Gauge(PREFIX + "step_time_seconds", "The engine's latest step, measured.",
+                                 registry=r)
+        self.step_error = Gauge(PREFIX + "step_time_prediction_error", "Median absolute relative "
+                                "error of the step-cost model's recent predictions.", registry=r)
 
     def on_finished(self, finish_reason: str | None, meta: dict[str, Any]) -> None:
         """One finished sequence (a Finished message's reason and meta)."""
@@ -75,6 +86,11 @@ class Metrics:
         self.generation_tokens.inc(meta.get("completion_tokens", 0))
         self.cached_tokens.inc(meta.get("cached_tokens", 0))
         self.retractions.inc(meta.get("retractions", 0))
+        slo = meta.get("slo")
+        if slo:
+            self.slo_requests.labels(priority=str(slo.get("priority", 0))).inc()
+            if slo.get("met"):
+                self.slo_met.labels(priority=str(slo.get("priority", 0))).inc()
         if finish_reason == ABORT:
             self.aborted.inc()
         else:
@@ -84,6 +100,12 @@ class Metrics:
         for suffix, key in GAUGES.items():
             if key in stats:
                 self.gauges[suffix].set(stats[key])
+        cost = stats.get("step_cost") or {}
+        for gauge, key, scale in ((self.step_predicted, "last_predicted_ms", 1e-3),
+                                  (self.step_actual, "last_actual_ms", 1e-3),
+                                  (self.step_error, "median_abs_error", 1.0)):
+            if cost.get(key) is not None:
+                gauge.set(cost[key] * scale)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

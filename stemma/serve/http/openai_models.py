@@ -60,6 +60,10 @@ class SamplingFields(BaseModel):
     grammar: str | None = None
     json_schema: dict[str, Any] | str | None = None
     skip_special_tokens: bool | None = None
+    # scheduling (vLLM's and SGLang's `priority`; stemma's latency targets)
+    priority: int | None = Field(default=None, ge=-2**31, lt=2**31)
+    ttft_slo_ms: float | None = Field(default=None, gt=0)
+    itl_slo_ms: float | None = Field(default=None, gt=0)
 
 
 class CompletionRequest(SamplingFields):

@@ -11,7 +11,8 @@ from stemma.serve.http.openai_models import SamplingFields
 OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                "top_logprobs": "logprobs", "json_schema": "response_format", "grammar": "ebnf"}
 PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-          "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "skip_special_tokens")
+          "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "skip_special_tokens",
+          "priority", "ttft_slo_ms", "itl_slo_ms")
 
 
 def _constraint(req: SamplingFields) -> dict[str, Any]:

@@ -1,0 +1,87 @@
+"""Priority preemption and latency targets in a real engine (tiny random llama with the ByteLevel
+test tokenizer, float32): the preempted requests, constrained, speculative and n > 1 among them,
+give exactly the outputs they give without preemption; the pool is whole; targets are scored."""
+import re
+
+import pytest
+
+import stemma
+from stemma import SamplingParams
+from tests.bytelevel_tokenizer import build_tiny_bytelevel
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(build_tiny_bytelevel(tmp_path_factory.mktemp("tiny_bytelevel_slo")))
+
+
+def make(folder, **kw):
+    cfg = dict(dtype="float32", kv_pool_tokens=4096, max_running_requests=4, attention_backend="torch",
+               speculative="ngram")
+    return stemma.Engine(folder, **{**cfg, **kw})
+
+
+def low_priority():
+    """Four requests that fill a batch of 4: plain, regex-constrained, n = 2 (two sequences)."""
+    return [([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)),
+            ([11, 12, 13], SamplingParams(regex=r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", temperature=0,
+                                          max_new_tokens=40)),
+            ([20, 21, 22, 23], SamplingParams(temperature=0.8, seed=3, n=2, max_new_tokens=30,
+                                              ignore_eos=True))]
+
+
+URGENT = ([40, 41, 42], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, priority=10))
+
+
+def outputs(engine, reqs):
+    return [(r.rid, r.output_ids, r.finish_reason) for r in reqs]
+
+
+def test_preempted_requests_lose_nothing(folder):
+    ref_engine = make(folder)
+    ref = [r for ids, p in low_priority() for r in ref_engine.submit(ids, p)]
+    ref_engine.run_until_done(ref)
+    (ref_urgent,) = ref_engine.submit(*URGENT)
+    ref_engine.run_until_done([ref_urgent])
+
+    engine = make(folder)
+    low = [r for ids, p in low_priority() for r in engine.submit(ids, p)]
+    assert len(low) == 4
+    for _ in range(6):
+        engine.step()
+    assert all(r.row is not None for r in low)   # the batch is full
+    (urgent,) = engine.submit(*URGENT)
+    engine.step()
+    assert urgent.output_ids                     # admitted and prefilled at once: its first token
+    assert engine.stats()["preemptions"] == 1
+    assert sum(r.retractions for r in low) == 1
+    engine.run_until_done(low + [urgent])
+    assert [r.output_ids for r in low] == [r.output_ids for r in ref]
+    assert urgent.output_ids == ref_urgent.output_ids
+    assert re.fullmatch(r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", engine.output(low[1]).text)
+    engine.check_pool_whole()
+
+
+def test_targets_are_scored_in_the_output_and_stats(folder):
+    engine = make(folder, itl_slo_ms=10_000.0)
+    engine.warm_up_step_cost()
+    out = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True,
+                                                    ttft_slo_ms=0.001, priority=3))
+    slo = out.meta["slo"]
+    assert slo["priority"] == 3 and slo["itl_met"] and not slo["ttft_met"] and not slo["met"]
+    assert engine.stats()["slo"] == {"3": {"requests": 1, "ttft_met": 0, "itl_met": 1, "met": 0}}
+    cost = engine.stats()["step_cost"]
+    assert cost["steps"] >= 8 and cost["base_ms"] >= 0 and cost["median_abs_error"] is not None
+    plain = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4))
+    assert plain.meta["slo"]["itl_target_ms"] == 10_000.0   # the engine's default target applies
+    engine.check_pool_whole()
+
+
+def test_warm_up_seeds_the_one_row_step_and_writes_no_request_kv(folder):
+    engine = make(folder, itl_slo_steps=2.0)
+    slo = engine.scheduler.slo
+    assert slo.one_row_s is not None and slo.one_row_s > 0
+    assert engine.step_cost.ready
+    assert engine.stats()["pool_free"] == engine.stats()["pool_total"]
+    out = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4))
+    assert out.meta["slo"]["itl_target_ms"] == pytest.approx(2e3 * slo.one_row_s, abs=0.01)
