@@ -8,16 +8,22 @@ step is a plain decode or prefill and inter-token gaps are the steps themselves)
 - a batch job: --batch requests submitted at once, random-token prompts of 400-600 tokens,
   64-128 new tokens each, priority 0, no target;
 - --interactive closed-loop users: each sends a 16-32-token prompt for 64 new tokens, and when
-  it ends, thinks --think-ms and sends the next, until the batch job is done.
+  it ends, thinks --think-ms and sends the next.
+Each run lasts --seconds (or until the batch job is done, if sooner); what is unfinished then
+is aborted, and throughput is the tokens generated in the window over its length.
 All greedy, EOS ignored. Runs:
 - default: no targets, no priorities (what the engine does today);
 - slo: the interactive requests carry itl_slo_ms = 2x the machine's one-row decode step (measured
   by the engine's warm-up at load) and priority 1.
 The table: the interactive requests' p50/p99 inter-token gap (the engine's own booking times,
 pooled over their tokens), how many of them met the target, the total generated tokens/s, the
-step-cost model's median absolute error on the run's steps (each predicted before it ran), and the
-batch job's finish time. Acceptance (issue 18): slo's interactive p99 <= the target; its total
+step-cost model's median absolute error on the run's steps (each predicted before it ran), and how
+many batch requests finished in the window. Acceptance (issue 18): slo's interactive p99 <= the target; its total
 throughput >= 85% of default's; the model's error <= 20%.
+
+With --presets, the same workload (no per-request targets or priorities: the preset's own
+defaults apply to every request) runs under each of `--preset interactive`, `balanced` and
+`throughput` instead, and the table shows what each buys.
 
 Then the preemption check: a batch of --max-running priority-0 requests fills the batch, and a
 priority-10 request arrives: its first token must come within 2 steps (the median step before it
@@ -41,7 +47,7 @@ def batch_job(rng: random.Random, n: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def run(engine, jobs, users: int, think_s: float, target_ms: float | None, seed: int) -> dict:
+def run(engine, jobs, users: int, think_s: float, target_ms: float | None, seed: int, seconds: float) -> dict:
     from stemma import SamplingParams
     rng = random.Random(seed)
     batch = [engine.submit(ids, SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True))[0]
@@ -57,7 +63,7 @@ def run(engine, jobs, users: int, think_s: float, target_ms: float | None, seed:
     t0 = time.perf_counter()
     generated0 = engine.stats()["generated_tokens"]
     errors_from = len(engine.step_cost.errors)
-    while not all(r.finished for r in batch):
+    while not all(r.finished for r in batch) and time.perf_counter() - t0 < seconds:
         if not engine.step():
             engine.wait_for_work(0.001)
         now = time.perf_counter()
@@ -69,8 +75,10 @@ def run(engine, jobs, users: int, think_s: float, target_ms: float | None, seed:
                 done.append(req)
                 live[i], wake[i] = None, now + think_s
     wall = time.perf_counter() - t0
-    for req in live:
-        if req is not None:
+    generated = engine.stats()["generated_tokens"] - generated0
+    batch_done = sum(1 for r in batch if r.finished)
+    for req in live + batch:
+        if req is not None and not req.finished:
             engine.abort(req.rid)
     while engine.scheduler.has_work:
         engine.step()
@@ -79,7 +87,7 @@ def run(engine, jobs, users: int, think_s: float, target_ms: float | None, seed:
     met = sum(1 for r in done if r.slo and r.slo.get("met"))
     return {"interactive": len(done), "itl_p50_ms": 1e3 * percentile(gaps, 50),
             "itl_p99_ms": 1e3 * percentile(gaps, 99), "met": met,
-            "tok_s": (engine.stats()["generated_tokens"] - generated0) / wall, "wall_s": wall,
+            "tok_s": generated / wall, "wall_s": wall, "batch_done": batch_done,
             "cost_error": statistics.median(errors) if errors else float("nan"),
             "give_way": engine.stats()["slo_give_way"]}
 
@@ -120,13 +128,33 @@ def preemption(make, max_running: int, seed: int) -> dict:
             "bound_ms": 1e3 * (2 * step + prefill), "preempted": preempted}
 
 
+def compare_presets(make, jobs, args) -> None:
+    rows = []
+    for preset in ("throughput", "balanced", "interactive"):
+        engine = make(preset=preset)
+        print(f"preset {preset}: running ...", file=sys.stderr, flush=True)
+        r = run(engine, jobs, args.interactive, args.think_ms / 1e3, None, args.seed + 1, args.seconds)
+        cfg = engine.config
+        rows.append([preset, cfg.max_running_requests, cfg.chunked_prefill_size,
+                     f"{1e3 * cfg.itl_slo_steps * engine.scheduler.slo.one_row_s:.0f} ms" if cfg.itl_slo_steps else "-",
+                     r["interactive"], r["itl_p50_ms"], r["itl_p99_ms"], r["tok_s"], f"{r['batch_done']}/{args.batch}"])
+        del engine
+    print(f"default model; batch job: {args.batch} requests, prompts 400-600 tokens, 64-128 new; "
+          f"{args.interactive} interactive users (16-32-token prompts, 64 new, think {args.think_ms:g} ms); "
+          f"greedy, speculation off; no per-request targets or priorities")
+    print(table(["preset", "max running", "chunk", "itl target", "interactive reqs", "itl p50 ms",
+                 "itl p99 ms", "total tok/s", "batch finished"], rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--interactive", type=int, default=8)
     ap.add_argument("--think-ms", type=float, default=200.0)
+    ap.add_argument("--seconds", type=float, default=90.0, help="each run's window")
     ap.add_argument("--max-running", type=int, default=16, help="the preemption check's full batch")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--presets", action="store_true", help="compare the engine presets instead")
     args = ap.parse_args()
 
     import stemma
@@ -135,6 +163,9 @@ def main() -> None:
         return stemma.Engine(kv_pool_tokens=65536, speculative="none", **options)
 
     jobs = batch_job(random.Random(args.seed), args.batch)
+    if args.presets:
+        compare_presets(make, jobs, args)
+        return
     results, target = {}, None
     for name in ("default", "slo"):
         engine = make()
@@ -143,21 +174,21 @@ def main() -> None:
             target = 2e3 * engine.scheduler.slo.one_row_s
         print(f"{name}: running ...", file=sys.stderr, flush=True)
         results[name] = run(engine, jobs, args.interactive, args.think_ms / 1e3,
-                            target if name == "slo" else None, args.seed + 1)
+                            target if name == "slo" else None, args.seed + 1, args.seconds)
         results[name]["one_row_ms"] = 1e3 * engine.scheduler.slo.one_row_s
         del engine
     base = results["default"]["tok_s"]
     print(f"default model; batch job: {args.batch} requests, prompts 400-600 tokens, 64-128 new; "
           f"{args.interactive} interactive users (16-32-token prompts, 64 new, think {args.think_ms:g} ms); "
-          f"greedy, speculation off; itl target of the slo run: {target:.1f} ms "
+          f"greedy, speculation off; {args.seconds:g} s a run; itl target of the slo run: {target:.1f} ms "
           f"(2x the one-row decode step, {target / 2:.1f} ms)")
     rows = []
     for name, r in results.items():
         rows.append([name, r["interactive"], r["itl_p50_ms"], r["itl_p99_ms"],
                      f"{r['met']}/{r['interactive']}" if name == "slo" else "-", r["tok_s"],
-                     f"{r['tok_s'] / base:.3f}", r["cost_error"], r["wall_s"], r["give_way"]])
+                     f"{r['tok_s'] / base:.3f}", r["cost_error"], f"{r['batch_done']}/{args.batch}", r["give_way"]])
     print(table(["run", "interactive reqs", "itl p50 ms", "itl p99 ms", "met target", "total tok/s",
-                 "vs default", "cost model error", "batch done s", "gave way"], rows))
+                 "vs default", "cost model error", "batch finished", "gave way"], rows))
     slo = results["slo"]
     print(f"slo: interactive p99 {slo['itl_p99_ms']:.1f} ms vs target {target:.1f} ms: "
           f"{'ok' if slo['itl_p99_ms'] <= target else 'MISSED'}; throughput {slo['tok_s'] / base:.1%} of "

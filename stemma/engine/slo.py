@@ -6,7 +6,8 @@ requests that give none. With no target and no priority anywhere, nothing here c
 
 Each step (stemma.engine.scheduler):
 - the step's time target T is the tightest inter-token target among the running requests and
-  the waiting ones about to be admitted;
+  the waiting ones about to be admitted; a step is planned to T less the headroom of the cost
+  model's recent overruns (their 99.5th percentile), since a target is met by nearly every step;
 - priority preemption: a waiting request that does not fit (batch full, KV short) retracts
   running requests at least `priority_preemption_gap` lower, lowest first;
 - giving way: when the running decodes alone (plus the first chunk of the highest-priority
@@ -92,10 +93,12 @@ class Slo:
 
     # ---- time ----
     def fits(self, shape: StepShape, target: float | None) -> bool:
+        """Whether a step of `shape` stays within target, with the headroom the model's recent
+        overruns call for (StepCost.margin), so that nearly every step does, not the average."""
         if target is None:
             return True
         predicted = self.cost.predict(shape)
-        return predicted is None or predicted <= target
+        return predicted is None or predicted * (1.0 + self.cost.margin()) <= target
 
     def prefill_room(self, shape: StepShape, target: float | None, prefix: int, most: int) -> int:
         """The most prefill tokens (<= most) after `prefix` that keep the step within target."""

@@ -31,6 +31,8 @@ WINDOW = 512          # steps in the fit
 MIN_STEPS = 4         # fewer: no prediction (None)
 RIDGE = 1e-5          # on the slopes, relative to the data's scale
 REFIT_EVERY = 8       # steps between two fits
+MARGIN_QUANTILE = 0.995  # a target is held for this share of steps (beyond the p99 of inter-token gaps)
+MAX_MARGIN = 0.5
 
 
 @dataclass
@@ -69,6 +71,7 @@ class StepCost:
     def __init__(self):
         self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=WINDOW)
         self.errors: deque[float] = deque(maxlen=WINDOW)   # |predicted - actual| / actual
+        self.overruns: deque[float] = deque(maxlen=WINDOW)  # actual / predicted - 1
         self.last: tuple[float, float] | None = None          # (predicted, actual) of the last step
         self.coef: np.ndarray | None = None
         self._since_fit = 0
@@ -77,6 +80,8 @@ class StepCost:
         """A step's measured time; `predicted` is what `predict` said for it before it ran."""
         if predicted is not None and seconds > 0:
             self.errors.append(abs(predicted - seconds) / seconds)
+            if predicted > 0:
+                self.overruns.append(seconds / predicted - 1.0)
             self.last = (predicted, seconds)
         self.samples.append((shape.features(), seconds))
         self._since_fit += 1
@@ -104,11 +109,19 @@ class StepCost:
             return None
         return float(max(shape.features() @ self.coef, 0.0))
 
+    def margin(self) -> float:
+        """How far a step runs past its prediction at the MARGIN_QUANTILE of recent steps
+        (clipped to [0, MAX_MARGIN]): the headroom a target needs to hold for nearly every step."""
+        if len(self.overruns) < MIN_STEPS:
+            return 0.0
+        q = float(np.quantile(np.fromiter(self.overruns, float), MARGIN_QUANTILE))
+        return min(max(q, 0.0), MAX_MARGIN)
+
     def error(self) -> float | None:
         return statistics.median(self.errors) if self.errors else None
 
     def stats(self) -> dict:
-        out: dict = {"steps": len(self.samples), "median_abs_error": self.error()}
+        out: dict = {"steps": len(self.samples), "median_abs_error": self.error(), "margin": self.margin()}
         if self.coef is not None:
             a, b, c, d = (float(v) for v in self.coef)
             out.update(base_ms=1e3 * a, per_decode_row_ms=1e3 * b, per_prefill_token_ms=1e3 * c,
