@@ -145,12 +145,13 @@ class StemmaSide:
     def compile_state(self) -> str:
         return str(self._clients(1)[0].info()["stats"].get("compiled_decode", "off"))
 
-    async def settle_compile(self, prompts: Prompts, args, limit_s: float = 600.0) -> None:
+    async def settle_compile(self, prompts: Prompts, args, limit_s: float = 300.0) -> None:
         """Single-stream requests until the engine has decided on its compiled one-row decode
         forward (compile_decode=auto compiles on a background thread after 128 single-request
-        forwards, then times it against eager), so that no round pays for the compile."""
+        forwards), so that no round pays for the compile. Its trial (8 timed plain one-row
+        decodes each way) may then run on in the rounds: a speculating stream has few of them."""
         t0 = time.perf_counter()
-        while self.compile_state() in ("waiting", "compiling", "trial") and time.perf_counter() - t0 < limit_s:
+        while self.compile_state() in ("waiting", "compiling") and time.perf_counter() - t0 < limit_s:
             await self.run([Job(prompts.ids(), args.new_tokens)], concurrent=False)
         print(f"stemma's compiled decode: {self.compile_state()} (after {time.perf_counter() - t0:.0f} s of "
               f"single-stream warm-up)", file=sys.stderr, flush=True)

@@ -140,11 +140,40 @@ def configure_command(source: Path, build: Path) -> list[str]:
         "-DLLAMA_USE_PREBUILT_UI=OFF", # no web UI download from Hugging Face at build time
         "-DLLAMA_BUILD_UI=OFF",
         "-DGGML_CUDA=OFF",
-        "-DGGML_NATIVE=ON",            # this machine's CPU flags
+        *isa_options(),
         "-DBUILD_SHARED_LIBS=OFF",     # one self-contained binary
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
     ]
+
+
+# ggml's option for each x86 flag it can target (the /proc/cpuinfo name)
+_X86_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "bmi2": "GGML_BMI2", "fma": "GGML_FMA",
+                "f16c": "GGML_F16C", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
+                "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+                "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def isa_options() -> list[str]:
+    """This machine's CPU flags: GGML_NATIVE, except on a CPU with AMX. There ggml's AMX matmul
+    (which -march=native turns on) crashed llama-server with SIGSEGV on the default GGUF's first
+    batch (llama-cpp-python 0.3.36, a Xeon with AMX-INT8, under gdb: ggml_backend_amx_mul_mat),
+    so the build names every other x86 flag the CPU has and leaves AMX off; weight repacking and
+    the AVX-512 kernels stay."""
+    flags = _cpu_flags()
+    if "amx_int8" not in flags and "amx_tile" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", *(f"-D{opt}={'ON' if name in flags else 'OFF'}"
+                                   for name, opt in _X86_OPTIONS.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def build_command(build: Path, jobs: int = BUILD_JOBS) -> list[str]:
@@ -153,8 +182,10 @@ def build_command(build: Path, jobs: int = BUILD_JOBS) -> list[str]:
 
 def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, force: bool = False, jobs: int = BUILD_JOBS) -> Path:
     """The llama-server binary of `version`, built first unless it already is (or if `force`)."""
-    if not force and build_record(version) is not None:
-        return binary_path(version)
+    record = build_record(version)
+    if not force and record is not None and record.get("commands", {}).get("configure") == \
+            configure_command(Path(record["source"]), build_dir(version) / "build"):
+        return binary_path(version)  # built, and with the options this script gives now
     dest = build_dir(version)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / RECORD).unlink(missing_ok=True)
