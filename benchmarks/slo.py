@@ -136,7 +136,7 @@ def compare_presets(make, jobs, args) -> None:
         r = run(engine, jobs, args.interactive, args.think_ms / 1e3, None, args.seed + 1, args.seconds)
         cfg = engine.config
         rows.append([preset, cfg.max_running_requests, cfg.chunked_prefill_size,
-                     f"{1e3 * cfg.itl_slo_steps * engine.scheduler.slo.one_row_s:.0f} ms" if cfg.itl_slo_steps else "-",
+                     f"{1e3 * cfg.default_itl_slo_steps * engine.scheduler.slo.one_row_s:.0f} ms" if cfg.default_itl_slo_steps else "-",
                      r["interactive"], r["itl_p50_ms"], r["itl_p99_ms"], r["tok_s"], f"{r['batch_done']}/{args.batch}"])
         del engine
     print(f"default model; batch job: {args.batch} requests, prompts 400-600 tokens, 64-128 new; "

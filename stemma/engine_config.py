@@ -19,8 +19,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # chat: small, fluid batches; every step kept within 2 one-row decode steps, first tokens
     # within a second, prompts prefilled in short chunks between decode steps
     "interactive": {"max_running_requests": 32, "chunked_prefill_size": 256, "schedule_policy": "fcfs",
-                    "itl_slo_steps": 2.0, "ttft_slo_ms": 1000.0},
-    "balanced": {"max_running_requests": 64, "chunked_prefill_size": 512, "itl_slo_steps": 4.0},
+                    "default_itl_slo_steps": 2.0, "default_ttft_slo_ms": 1000.0},
+    "balanced": {"max_running_requests": 64, "chunked_prefill_size": 512, "default_itl_slo_steps": 4.0},
     # batch processing: large, stable batches, long prefill chunks, prefix reuse first, no targets
     "throughput": {"max_running_requests": 256, "chunked_prefill_size": 4096,
                    "max_prefill_tokens": 16384, "schedule_policy": "lpm"},
@@ -88,13 +88,13 @@ class EngineConfig:
                                             "compile (both its check and its build); past it the "
                                             "request fails")
     # SLO scheduling (stemma.engine.slo): defaults for requests that name no target
-    itl_slo_ms: float | None = doc(None, "inter-token latency target in ms for requests that "
-                                         "give none; not given: no target")
-    itl_slo_steps: float | None = doc(None, "the same target as a multiple of this machine's "
-                                            "one-row decode step (measured at load); "
-                                            "--itl-slo-ms wins")
-    ttft_slo_ms: float | None = doc(None, "time-to-first-token target in ms for requests that "
-                                          "give none; not given: no target")
+    default_itl_slo_ms: float | None = doc(None, "inter-token latency target in ms for requests "
+                                                 "that give none; not given: no target")
+    default_itl_slo_steps: float | None = doc(None, "the same target as a multiple of this "
+                                                    "machine's one-row decode step (measured at "
+                                                    "load); --default-itl-slo-ms wins")
+    default_ttft_slo_ms: float | None = doc(None, "time-to-first-token target in ms for requests "
+                                                  "that give none; not given: no target")
     priority_preemption_gap: int = doc(10, "a waiting request preempts running ones whose "
                                            "priority is at least this much lower")
     preset: str | None = doc(None, "interactive, balanced or throughput: sets the batch, chunk, "
@@ -116,7 +116,7 @@ class EngineConfig:
         for name in ("max_prompt_tokens", "max_new_tokens_limit"):
             if getattr(self, name) is not None:
                 positive(name)
-        for name in ("itl_slo_ms", "itl_slo_steps", "ttft_slo_ms"):
+        for name in ("default_itl_slo_ms", "default_itl_slo_steps", "default_ttft_slo_ms"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.priority_preemption_gap < 1:

@@ -146,9 +146,9 @@ class SamplingParams:
     priority: int = doc(0, "scheduling priority, higher first; a waiting request may preempt "
                            "running ones at least --priority-preemption-gap lower")
     ttft_slo_ms: float | None = doc(None, "time-to-first-token target in ms; not given: the "
-                                          "engine's --ttft-slo-ms")
+                                          "engine's --default-ttft-slo-ms")
     itl_slo_ms: float | None = doc(None, "inter-token latency target in ms; not given: the "
-                                         "engine's --itl-slo-ms")
+                                         "engine's --default-itl-slo-ms")
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 0)

@@ -126,7 +126,7 @@ def test_a_top_priority_request_always_gets_a_chunk():
 def test_equal_priorities_join_only_within_the_target():
     # every request has the engine's 20 ms target: 10 ms + 1 ms a decode row (+ keys) holds the
     # batch to about 9 decodes; the rest wait for room instead of slowing everyone
-    h = harness(trained_cost(), pool=4096, max_running=32, itl_slo_ms=20.0)
+    h = harness(trained_cost(), pool=4096, max_running=32, default_itl_slo_ms=20.0)
     reqs = [add(h, f"r{i}", [1 + i, 2, 3], new=20) for i in range(16)]
     most = 0
     for _ in range(6):
@@ -232,11 +232,11 @@ def test_presets_fill_what_is_not_given():
     cfg = EngineConfig.from_kwargs(preset="interactive", max_running_requests=8)
     assert cfg.max_running_requests == 8                                    # given: kept
     assert cfg.chunked_prefill_size == PRESETS["interactive"]["chunked_prefill_size"]
-    assert cfg.itl_slo_steps == 2.0
+    assert cfg.default_itl_slo_steps == 2.0
     assert EngineConfig.from_kwargs(preset="throughput").schedule_policy == "lpm"
     with pytest.raises(ValueError, match="preset"):
         EngineConfig.from_kwargs(preset="fast")
-    with pytest.raises(ValueError, match="itl_slo_ms"):
-        EngineConfig(itl_slo_ms=0)
+    with pytest.raises(ValueError, match="default_itl_slo_ms"):
+        EngineConfig(default_itl_slo_ms=0)
     with pytest.raises(ValueError, match="priority_preemption_gap"):
         EngineConfig(priority_preemption_gap=0)

@@ -63,7 +63,7 @@ def test_preempted_requests_lose_nothing(folder):
 
 
 def test_targets_are_scored_in_the_output_and_stats(folder):
-    engine = make(folder, itl_slo_ms=10_000.0)
+    engine = make(folder, default_itl_slo_ms=10_000.0)
     engine.warm_up_step_cost()
     out = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True,
                                                     ttft_slo_ms=0.001, priority=3))
@@ -78,7 +78,7 @@ def test_targets_are_scored_in_the_output_and_stats(folder):
 
 
 def test_warm_up_seeds_the_one_row_step_and_writes_no_request_kv(folder):
-    engine = make(folder, itl_slo_steps=2.0)
+    engine = make(folder, default_itl_slo_steps=2.0)
     slo = engine.scheduler.slo
     assert slo.one_row_s is not None and slo.one_row_s > 0
     assert engine.step_cost.ready

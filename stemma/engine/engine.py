@@ -104,11 +104,11 @@ class Engine:
                                    self.spec, self.step_cost)
         self.executor = Executor(self.runner, self.sampler, self.constrainer, self.eos_token_ids)
         self.limits = Limits.of(cfg, self.runner.max_context)
-        if cfg.itl_slo_ms is not None or cfg.itl_slo_steps is not None or cfg.ttft_slo_ms is not None:
+        if (cfg.default_itl_slo_ms, cfg.default_itl_slo_steps, cfg.default_ttft_slo_ms) != (None, None, None):
             self.warm_up_step_cost()
 
     def warm_up_step_cost(self) -> None:
-        """Seeds the step-cost model (and the one-row decode step that itl_slo_steps counts in)
+        """Seeds the step-cost model (and the one-row decode step that default_itl_slo_steps counts in)
         with synthetic forwards of a few shapes, each run on KV slot 0, which no request holds."""
         self.scheduler.slo.one_row_s = warm_up(self.runner, self.step_cost)
 

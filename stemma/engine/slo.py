@@ -1,7 +1,8 @@
 """Latency targets and priorities: what the scheduler weighs each step besides its policy.
 
 A request may carry `priority` (higher first), `ttft_slo_ms` and `itl_slo_ms`
-(SamplingParams); the engine's `itl_slo_ms` / `itl_slo_steps` / `ttft_slo_ms` are the targets of
+(SamplingParams); the engine's `default_itl_slo_ms` / `default_itl_slo_steps` /
+`default_ttft_slo_ms` are the targets of
 requests that give none. With no target and no priority anywhere, nothing here changes a step.
 
 Each step (stemma.engine.scheduler):
@@ -45,7 +46,7 @@ class Slo:
     def __init__(self, config: EngineConfig, cost: StepCost):
         self.config = config
         self.cost = cost
-        self.one_row_s: float | None = None     # the measured one-row decode step (itl_slo_steps)
+        self.one_row_s: float | None = None     # the measured one-row decode step (default_itl_slo_steps)
         self.attainment = Attainment()
 
     # ---- targets ----
@@ -53,14 +54,14 @@ class Slo:
         """Seconds between two tokens of req, or None."""
         if req.params.itl_slo_ms is not None:
             return req.params.itl_slo_ms / 1e3
-        if self.config.itl_slo_ms is not None:
-            return self.config.itl_slo_ms / 1e3
-        if self.config.itl_slo_steps is not None and self.one_row_s is not None:
-            return self.config.itl_slo_steps * self.one_row_s
+        if self.config.default_itl_slo_ms is not None:
+            return self.config.default_itl_slo_ms / 1e3
+        if self.config.default_itl_slo_steps is not None and self.one_row_s is not None:
+            return self.config.default_itl_slo_steps * self.one_row_s
         return None
 
     def ttft_target(self, req: Request) -> float | None:
-        ms = req.params.ttft_slo_ms if req.params.ttft_slo_ms is not None else self.config.ttft_slo_ms
+        ms = req.params.ttft_slo_ms if req.params.ttft_slo_ms is not None else self.config.default_ttft_slo_ms
         return None if ms is None else ms / 1e3
 
     def deadline(self, req: Request) -> float:
@@ -80,7 +81,7 @@ class Slo:
     def in_play(self, reqs: Iterable[Request]) -> bool:
         """Whether any of reqs has a priority or a target, or the engine sets a default target."""
         c = self.config
-        if c.itl_slo_ms is not None or c.itl_slo_steps is not None or c.ttft_slo_ms is not None:
+        if (c.default_itl_slo_ms, c.default_itl_slo_steps, c.default_ttft_slo_ms) != (None, None, None):
             return True
         return any(r.params.priority or r.params.itl_slo_ms is not None or r.params.ttft_slo_ms is not None
                    for r in reqs)

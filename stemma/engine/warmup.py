@@ -19,7 +19,7 @@ from stemma.executor.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from stemma.executor.runner import ModelRunner
 
-# (decode rows, their context, prefill tokens): one-row decodes first (the itl_slo_steps unit)
+# (decode rows, their context, prefill tokens): one-row decodes first (the default_itl_slo_steps unit)
 SHAPES = [(1, 256, 0)] * 3 + [(8, 256, 0)] * 2 + [(32, 512, 0)] * 2 + [(0, 0, 64)] * 2 \
     + [(0, 0, 256)] * 2 + [(8, 256, 128)] * 2
 
