@@ -92,7 +92,7 @@ class EngineConfig:
                                                  "that give none; not given: no target")
     default_itl_slo_steps: float | None = doc(None, "the same target as a multiple of this "
                                                     "machine's one-row decode step (measured at "
-                                                    "load); --default-itl-slo-ms wins")
+                                                    "load); default_itl_slo_ms wins")
     default_ttft_slo_ms: float | None = doc(None, "time-to-first-token target in ms for requests "
                                                   "that give none; not given: no target")
     priority_preemption_gap: int = doc(10, "a waiting request preempts running ones whose "

@@ -144,11 +144,11 @@ class SamplingParams:
     grammar: str | None = doc(None, "the output must parse under this Lark-syntax grammar")
     # how the request is scheduled (stemma.engine.slo), not how it samples
     priority: int = doc(0, "scheduling priority, higher first; a waiting request may preempt "
-                           "running ones at least --priority-preemption-gap lower")
+                           "running ones at least the engine's priority_preemption_gap lower")
     ttft_slo_ms: float | None = doc(None, "time-to-first-token target in ms; not given: the "
-                                          "engine's --default-ttft-slo-ms")
+                                          "engine's default_ttft_slo_ms")
     itl_slo_ms: float | None = doc(None, "inter-token latency target in ms; not given: the "
-                                         "engine's --default-itl-slo-ms")
+                                         "engine's default_itl_slo_ms")
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 0)
