@@ -148,6 +148,11 @@ class EngineConfig:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
 
     @property
+    def has_default_targets(self) -> bool:
+        """Whether the engine gives requests that name none a latency target."""
+        return (self.default_itl_slo_ms, self.default_itl_slo_steps, self.default_ttft_slo_ms) != (None, None, None)
+
+    @property
     def chunk_size(self) -> int | None:
         return self.chunked_prefill_size if self.chunked_prefill_size and self.chunked_prefill_size > 0 else None
 
@@ -157,7 +162,5 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown engine options: {', '.join(unknown)}")
-        preset = kwargs.get("preset")
-        if preset is not None and preset not in PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
-        return cls(**{**PRESETS.get(preset, {}), **kwargs})  # what is given wins over the preset
+        # what is given wins over the preset; an unknown preset adds nothing and __post_init__ names it
+        return cls(**{**PRESETS.get(kwargs.get("preset"), {}), **kwargs})

@@ -104,7 +104,7 @@ class Engine:
                                    self.spec, self.step_cost)
         self.executor = Executor(self.runner, self.sampler, self.constrainer, self.eos_token_ids)
         self.limits = Limits.of(cfg, self.runner.max_context)
-        if (cfg.default_itl_slo_ms, cfg.default_itl_slo_steps, cfg.default_ttft_slo_ms) != (None, None, None):
+        if cfg.has_default_targets:
             self.warm_up_step_cost()
 
     def warm_up_step_cost(self) -> None:

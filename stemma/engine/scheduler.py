@@ -286,7 +286,7 @@ class Scheduler:
         """This step's target (T, the priority of the request holding it), after retracting
         running requests of lower priority while the decodes (and the first chunk of the most
         urgent waiting request) are predicted past T."""
-        first = self.slo.order(list(self.waiting))[:1]
+        first = [min(self.waiting, key=self.slo.rank)] if self.waiting else []
         held = self.slo.step_target(self.running + first)
         if held is None or not self.cost.ready:
             return held

@@ -80,8 +80,7 @@ class Slo:
 
     def in_play(self, reqs: Iterable[Request]) -> bool:
         """Whether any of reqs has a priority or a target, or the engine sets a default target."""
-        c = self.config
-        if (c.default_itl_slo_ms, c.default_itl_slo_steps, c.default_ttft_slo_ms) != (None, None, None):
+        if self.config.has_default_targets:
             return True
         return any(r.params.priority or r.params.itl_slo_ms is not None or r.params.ttft_slo_ms is not None
                    for r in reqs)
@@ -90,7 +89,11 @@ class Slo:
     def order(self, ordered: list[Request]) -> list[Request]:
         """The policy's order, regrouped by priority (highest first), then earliest deadline;
         a stable sort, so ties keep the policy's order."""
-        return sorted(ordered, key=lambda r: (-r.params.priority, self.deadline(r)))
+        return sorted(ordered, key=self.rank)
+
+    def rank(self, req: Request) -> tuple[int, float]:
+        """The sort key of `order`: priority (highest first), then deadline."""
+        return -req.params.priority, self.deadline(req)
 
     # ---- time ----
     def fits(self, shape: StepShape, target: float | None) -> bool:

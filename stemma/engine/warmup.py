@@ -11,8 +11,6 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from stemma.engine.step_cost import StepCost, StepShape
 from stemma.executor.forward_batch import ForwardBatch
 
@@ -26,12 +24,7 @@ SHAPES = [(1, 256, 0)] * 3 + [(8, 256, 0)] * 2 + [(32, 512, 0)] * 2 + [(0, 0, 64
 
 def dummy_batch(rows: int, context: int, prefill: int, max_context: int) -> tuple[ForwardBatch, StepShape]:
     context, prefill = min(context, max_context - 1), min(prefill, max_context)
-    tokens = [[0]] * rows + ([[0] * prefill] if prefill else [])
-    prefix = [context] * rows + ([0] if prefill else [])
-    width = max(context + 1, prefill)
-    fb = ForwardBatch.build(token_lists=tokens, req_rows=list(range(len(tokens))), prefix_lens=prefix,
-                            out_slots=torch.zeros(rows + prefill, dtype=torch.int64),
-                            req_to_slot=torch.zeros((len(tokens), width), dtype=torch.int32))
+    fb = ForwardBatch.on_padding_slot(rows, context, prefill)
     shape = StepShape()
     if rows:
         shape.decode(context + 1, rows=rows)

@@ -122,7 +122,7 @@ class CompiledDecode:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                self._run(self._dummy_batch())
+                self._run(ForwardBatch.on_padding_slot(1, DUMMY_CONTEXT))
         except Exception as exc:  # the eager forward stays; a compiler failure is no request's fault
             self.state = "failed"
             logger.warning("compiling the one-row decode forward failed; it stays eager: %s: %s",
@@ -131,12 +131,6 @@ class CompiledDecode:
         self.compile_s = time.perf_counter() - t0
         logger.info("compiled the one-row decode forward in %.1f s", self.compile_s)
         self.state = "trial"
-
-    def _dummy_batch(self) -> ForwardBatch:
-        """One request decoding at position DUMMY_CONTEXT over a table row of padding slots."""
-        table = torch.zeros((1, DUMMY_CONTEXT + 1), dtype=torch.int32)
-        return ForwardBatch.build(token_lists=[[0]], req_rows=[0], prefix_lens=[DUMMY_CONTEXT],
-                                  out_slots=torch.zeros(1, dtype=torch.int64), req_to_slot=table)
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
         self.model.refresh_cached()

@@ -53,6 +53,17 @@ class ForwardBatch:
         return max(p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu))
 
     @classmethod
+    def on_padding_slot(cls, rows: int, context: int, prefill: int = 0) -> "ForwardBatch":
+        """A synthetic batch for warm-ups and compiles: `rows` requests decoding at position
+        `context` and one prefilling `prefill` tokens, over a table of their own whose every
+        entry is KV slot 0, the padding slot no request holds (so nothing real is read or written)."""
+        tokens = [[0]] * rows + ([[0] * prefill] if prefill else [])
+        return cls.build(token_lists=tokens, req_rows=list(range(len(tokens))),
+                         prefix_lens=[context] * rows + ([0] if prefill else []),
+                         out_slots=torch.zeros(rows + prefill, dtype=torch.int64),
+                         req_to_slot=torch.zeros((len(tokens), max(context + 1, prefill)), dtype=torch.int32))
+
+    @classmethod
     def build(cls, *, token_lists: Sequence[Sequence[int]], req_rows: Sequence[int],
               prefix_lens: Sequence[int], out_slots: torch.Tensor, req_to_slot: torch.Tensor,
               logit_starts: Sequence[int | None] | None = None) -> "ForwardBatch":
