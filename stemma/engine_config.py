@@ -64,6 +64,15 @@ class EngineConfig:
     kv_reserve_ratio: float = doc(0.3, "share of running decodes' remaining tokens kept free in "
                                        "the KV pool; in [0, 1]")
     lpm_fallback_queue: int = doc(128, "lpm orders as fcfs past this many waiting requests")
+    radix_eviction: str = one_of("lru", ("lru", "program"), "which cached prefixes go first "
+                                 "when the KV pool is short; program: those of ended programs, "
+                                 "then expired retentions, then least recently used, and last "
+                                 "the KV of programs paused between calls (stemma.engine.programs)")
+    program_retention_s: float = doc(30.0, "longest a paused program's KV is retained ahead of "
+                                           "other cached prefixes (radix_eviction program)")
+    program_starvation_s: float = doc(5.0, "a program call waiting longer than this is admitted "
+                                           "first, whatever its program's attained service "
+                                           "(schedule_policy program)")
     random_seed: int | None = doc(None, "seeds the RNG of unseeded sampled requests; not given: "
                                         "not seeded")
     enable_jump_forward: bool = doc(True, "constrained decoding appends forced text unsampled")
@@ -125,6 +134,9 @@ class EngineConfig:
             raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.heap_trim_interval_s < 0:
             raise ValueError(f"heap_trim_interval_s must be >= 0, got {self.heap_trim_interval_s}")
+        for name in ("program_retention_s", "program_starvation_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.constraint_timeout_s > 0:
             raise ValueError(f"constraint_timeout_s must be > 0, got {self.constraint_timeout_s}")
         for f in fields(self):

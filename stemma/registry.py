@@ -62,7 +62,7 @@ ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention_backe
 })
 
 POLICIES: Registry[OrderFn] = Registry("schedule_policy", {
-    name: "stemma.engine.policy" for name in ("fcfs", "lpm", "dfs-weight", "sjf")
+    name: "stemma.engine.policy" for name in ("fcfs", "lpm", "dfs-weight", "sjf", "program")
 })
 
 MODEL_FAMILIES: Registry[type[CausalLM]] = Registry("model family", {

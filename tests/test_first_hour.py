@@ -50,7 +50,8 @@ def test_generate_help_describes_every_option_with_its_choices():
             at = described.index("--" + f.name.replace("_", "-") + " ")
             words = " ".join(help_of(f).split()[:4])
             assert words in described[at:at + 160], (f.name, described[at:at + 160])
-    for flag, choices in [("--schedule-policy", "{fcfs,lpm,dfs-weight,sjf}"),
+    for flag, choices in [("--schedule-policy", "{fcfs,lpm,dfs-weight,sjf,program}"),
+                              ("--radix-eviction", "{lru,program}"),
                           ("--batching", "{continuous,dynamic,static}"),
                           ("--dtype", "{auto,float32,bfloat16,float16,fp32,bf16,fp16}"),
                           ("--attention-backend", "{auto,torch,triton}"),

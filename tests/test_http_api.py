@@ -299,6 +299,30 @@ def test_logit_bias_and_extra_fields(client, engine):
     assert regex.choices[0].text[0] == " " and len(regex.choices[0].text) == 10
 
 
+def test_program_context_as_an_extra_field_and_end_program(server, client):
+    call = {"program_id": "http-agent", "call_index": 0, "pause_s": 0.2}
+    out = client.completions.create(model="tiny", prompt=PROMPT, **greedy(3, program_call=call))
+    assert out.usage.completion_tokens == 3
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          **greedy(2, program_call={**call, "call_index": 1}))
+    assert chat.usage.completion_tokens == 2
+    native = http(server, "POST", "/generate", json={
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 2}, "program_call": {**call, "call_index": 2}})
+    assert native.status_code == 200, native.text
+    record = next(p for p in wait_idle(server)["programs"] if p["program_id"] == "http-agent")
+    assert record["calls"] == 3 and not record["ended"]
+    assert http(server, "POST", "/end_program", json={"program_id": "http-agent"}).json() == {"ok": True}
+    deadline = time.monotonic() + 10
+    while not next(p for p in info(server)["stats"]["programs"] if p["program_id"] == "http-agent")["ended"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.BadRequestError, match="call_index"):
+        client.completions.create(model="tiny", prompt=PROMPT,
+                                  **greedy(2, program_call={"program_id": "x", "call_index": -1}))
+    bad = http(server, "POST", "/end_program", json={"program_id": ""})
+    assert bad.status_code in (400, 422)
+
+
 def test_a_disconnected_stream_frees_its_kv(server):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True, "stream": True}

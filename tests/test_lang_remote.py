@@ -2,6 +2,7 @@
 same outputs as on the in-process engine, and a clear error for an unreachable server."""
 import contextvars
 import socket
+import time
 
 import pytest
 
@@ -42,12 +43,18 @@ def test_remote_backend_matches_the_engine(folder):
         remote = contextvars.copy_context().run(with_default)
         streamed = program.run(topic=W[60], backend=rt.client, sampling={"temperature": 0}, stream=True)
         deltas = list(streamed.text_iter())
-        stats = rt.client.info()["stats"]
+        deadline = time.monotonic() + 10  # each run's EndProgram came on its own loop's socket
+        while (stats := rt.client.info()["stats"])["programs_ended"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert remote.vars() == local.vars() and remote.text() == local.text()
     assert "".join(deltas) == streamed.text() == local.text()
     assert [c.cached_tokens for c in remote.calls()] == [c.cached_tokens for c in local.calls()]
     assert remote.usage().cached_tokens >= 3 * 40  # the branches shared the committed prefix
     assert stats["cached_tokens"] >= 2 * remote.usage().cached_tokens and stats["running"] == 0
+    # each run through the server was one program: its calls carried its context, and it ended with the run
+    assert stats["programs_ended"] == 2 and stats["programs_live"] == 0
+    # 8 requests each: first, the fork's prefill, 3 ideas, the select's prefill and its 2 choices
+    assert [p["calls"] for p in stats["programs"]] == [8, 8]
 
 
 def test_unreachable_server_is_named():

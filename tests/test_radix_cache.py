@@ -27,6 +27,7 @@ class Req:
     computed: int      # positions [0, computed) have KV
     allocated: int     # positions [0, allocated) hold slots; the request owns [node.depth, allocated)
     kv: dict = field(default_factory=dict)
+    owner: object = None  # what tags the tokens it adds to the tree (a program record)
 
     @property
     def owned(self) -> int:
@@ -36,10 +37,10 @@ class Req:
 class Sim:
     """Drives a RadixCache the way a scheduler would and checks it after every step."""
 
-    def __init__(self, enabled=True, total=TOTAL_SLOTS):
+    def __init__(self, enabled=True, total=TOTAL_SLOTS, rank=None):
         self.allocator = SlotAllocator(total)
         self.table = ReqToSlot(MAX_REQS, MAX_CONTEXT)
-        self.cache = RadixCache(self.allocator, self.table, enabled=enabled)
+        self.cache = RadixCache(self.allocator, self.table, enabled=enabled, rank=rank)
         self.reqs: list[Req] = []
         self.kv: dict[int, tuple] = {}   # slot -> (salt, prefix) whose last token's KV it holds
 
@@ -67,7 +68,7 @@ class Sim:
         req.computed = req.allocated = start + n
         if cache:
             req.node, prefix = self.cache.cache_unfinished(req.row, req.tokens[:req.computed],
-                                                           req.salt, req.node)
+                                                           req.salt, req.node, req.owner)
             assert prefix == (req.computed if self.cache.enabled else 0) == req.node.depth
         return True
 
@@ -79,7 +80,7 @@ class Sim:
                 self.table.write(req.row, req.allocated, slot)
                 req.allocated += 1
         self.cache.cache_finished(req.row, req.tokens[:req.allocated], req.salt, req.node,
-                                  num_valid=req.computed)
+                                  num_valid=req.computed, owner=req.owner)
         self.table.free_row(req.row)
         self.reqs.remove(req)
 
@@ -106,6 +107,10 @@ class Sim:
         for slot, entry in tree_slots.items():
             assert self.kv.get(slot) == entry, f"tree slot {slot} holds {self.kv.get(slot)}, not {entry}"
         for r in self.reqs:
+            node = r.node  # a running request's node (locked) is still in the tree
+            while not node.is_root:
+                assert node.parent.children.get(node.key[0]) is node, f"locked {node!r} was evicted"
+                node = node.parent
             row = self.table.read(r.row, r.computed).tolist()
             assert row[:r.node.depth] == tree.path_slots(r.node).tolist()
             for pos, slot in enumerate(row):

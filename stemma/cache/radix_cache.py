@@ -13,7 +13,7 @@ a root (depth 0), and a request owns its whole row.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,10 +24,14 @@ Tokens = Sequence[int] | torch.Tensor
 
 
 class RadixCache:
-    def __init__(self, allocator: SlotAllocator, req_to_slot: ReqToSlot, enabled: bool = True):
+    def __init__(self, allocator: SlotAllocator, req_to_slot: ReqToSlot, enabled: bool = True,
+                 rank: Callable[[Node], Any] | None = None):
+        """`rank`: the eviction order of unlocked leaves, lowest first (RadixTree.evict); None:
+        least recently used first."""
         self.allocator = allocator
         self.req_to_slot = req_to_slot
         self.enabled = enabled
+        self.rank = rank
         self.tree = RadixTree(allocator.device)
 
     @property
@@ -65,7 +69,7 @@ class RadixCache:
         not enough (then whatever was evicted stays free)."""
         short = n - self.allocator.available
         if short > 0:
-            self.allocator.free(self.tree.evict(short))
+            self.allocator.free(self.tree.evict(short, self.rank))
         return self.allocator.alloc(n)
 
     def free(self, slots: torch.Tensor) -> None:
@@ -79,13 +83,13 @@ class RadixCache:
     #                                   to the tree's slots
     # after              tree's ------------------------------------------------ (node.depth == n)
     def cache_unfinished(self, row: int, token_ids: Tokens, salt: str | None,
-                         old_node: Node) -> tuple[Node, int]:
+                         old_node: Node, owner: object | None = None) -> tuple[Node, int]:
         """Caches a running request's first n = len(token_ids) positions, whose KV is computed.
 
         `old_node` is the request's locked node, so `held = old_node.depth` positions of its row
         already read tree slots. Returns the new locked node and the new tree-held prefix length
         (n; 0 when disabled, where the node stays `old_node`). The request keeps owning the slots
-        it allocated past n.
+        it allocated past n. `owner` tags the tokens new to the tree (RadixTree.insert).
         """
         if not self.enabled:
             return old_node, 0
@@ -94,7 +98,7 @@ class RadixCache:
         if n < held:
             raise ValueError(f"{n} tokens is shorter than the cached prefix {held}")
         slots = self.req_to_slot.read(row, n)
-        present = self.tree.insert(token_ids, slots, salt)
+        present = self.tree.insert(token_ids, slots, salt, owner)
         self.allocator.free(slots[held:present])
         tree_slots, node = self.tree.match_prefix(token_ids, salt)
         self.req_to_slot.write(row, held, tree_slots[held:present])
@@ -108,13 +112,14 @@ class RadixCache:
     # what happens    unlocked     freed                given to the tree        freed
     #                 (L = len(token_ids): the positions of the row that hold slots)
     def cache_finished(self, row: int, token_ids: Tokens, salt: str | None, node: Node,
-                       num_valid: int | None = None) -> None:
+                       num_valid: int | None = None, owner: object | None = None) -> None:
         """Caches a finished request and gives back everything it held except the row itself.
 
         Positions `[0, len(token_ids))` of the row hold slots; the first `num_valid` of them
         (default all) have computed KV and are cached, generated tokens included. The slots of
         `[num_valid, len(token_ids))` are freed, as are duplicates of what the tree already had.
-        `node` (the request's locked node) is unlocked. The caller frees the row.
+        `node` (the request's locked node) is unlocked; `owner` tags the tokens new to the tree.
+        The caller frees the row.
         """
         total = len(token_ids)
         num_valid = total if num_valid is None else num_valid
@@ -123,7 +128,7 @@ class RadixCache:
             raise ValueError(f"need node depth {held} <= num_valid {num_valid} <= {total} tokens")
         slots = self.req_to_slot.read(row, total)
         if self.enabled:
-            present = self.tree.insert(token_ids[:num_valid], slots[:num_valid], salt)
+            present = self.tree.insert(token_ids[:num_valid], slots[:num_valid], salt, owner)
             self.allocator.free(torch.cat([slots[held:present], slots[num_valid:]]))
         else:
             self.allocator.free(slots[held:])

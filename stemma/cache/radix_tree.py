@@ -13,8 +13,8 @@ Invariants (see `check_invariants`):
 - `lock_ref` counts locks held at a node or below it (locks are walked to the root), so a
   node is locked iff some lock's path passes through it;
 - `evictable_size` counts the tokens of unlocked nodes and `protected_size` those of locked ones;
-- eviction removes unlocked leaves only, least recently used first, so a locked node and its
-  ancestors stay in the tree;
+- eviction removes unlocked leaves only, least recently used first (or in the order of the
+  caller's rank), so a locked node and its ancestors stay in the tree;
 - `hits` counts the `record_hit` calls at a node or below it: the caller records one per request
   whose cached prefix (at its first admission) passed through the node, i.e. the requests that
   reused its KV. `match_prefix` counts nothing, as it also serves the cache's own bookkeeping.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -65,7 +65,7 @@ class Node:
     """
 
     __slots__ = ("key", "value", "parent", "children", "salt", "depth", "lock_ref", "last_access",
-                 "hits")
+                 "hits", "owner")
 
     def __init__(self, key: Key, value: torch.Tensor, parent: Node | None, salt: str | None):
         self.key = key
@@ -77,6 +77,7 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.hits = 0
+        self.owner: object | None = None  # who inserted its tokens (a program record), for ranks
 
     @property
     def is_root(self) -> bool:
@@ -141,12 +142,12 @@ class RadixTree:
         return MatchResult(self.path_slots(node), node)
 
     def insert(self, key: Sequence[int] | torch.Tensor, slots: torch.Tensor,
-               salt: str | None = None) -> int:
+               salt: str | None = None, owner: object | None = None) -> int:
         """Caches `key` with `slots` (one per token); returns the length already present.
 
         The tree keeps its own slots for the already-present prefix `key[:returned]`, so
         `slots[:returned]` are not taken: the caller frees those it owns. `slots[returned:]` now
-        belong to the tree, in a new unlocked leaf.
+        belong to the tree, in a new unlocked leaf whose `owner` is `owner`.
         """
         key = as_key(key)
         if slots.numel() != len(key):
@@ -161,6 +162,7 @@ class RadixTree:
             leaf = Node(key[present:], slots[present:].to(self.device, torch.int64).clone(), node, salt)
             node.children[leaf.key[0]] = leaf
             leaf.last_access = next(self._clock)
+            leaf.owner = owner
             self._evictable += len(leaf.key)
             self.version = next(_VERSIONS)
         return present
@@ -192,14 +194,16 @@ class RadixTree:
                 self._evictable += len(node.key)
             node = node.parent
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        """Removes least recently used unlocked leaves until at least `num_tokens` slots are
-        freed or nothing unlocked is left; returns the freed slots (the caller frees them).
+    def evict(self, num_tokens: int, rank: Callable[[Node], Any] | None = None) -> torch.Tensor:
+        """Removes unlocked leaves, least recently used first (lowest `rank(leaf)` first when
+        given), until at least `num_tokens` slots are freed or nothing unlocked is left; returns
+        the freed slots (the caller frees them).
 
         A parent whose last child goes becomes a leaf and a candidate in turn.
         """
+        rank = rank or _last_access
         tie = itertools.count()
-        heap = [(n.last_access, next(tie), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
+        heap = [(rank(n), next(tie), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
         count = 0
@@ -209,7 +213,7 @@ class RadixTree:
             freed.append(leaf.value)
             count += len(leaf.key)
             if not parent.is_root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, next(tie), parent))
+                heapq.heappush(heap, (rank(parent), next(tie), parent))
         if freed:
             self.version = next(_VERSIONS)
         return torch.cat(freed) if freed else self._empty()
@@ -326,7 +330,8 @@ class RadixTree:
 
         `node` keeps its identity (and depth) as the lower part, so callers holding it still hold
         the same prefix. The upper part inherits the lock count and the hit count: every lock and
-        every recorded hit through `node` passes through it.
+        every recorded hit through `node` passes through it. It has no owner: a second key reached
+        into the edge, so its tokens are (or may be) shared.
         """
         parent = node.parent
         upper = Node(node.key[:at], node.value[:at], parent, node.salt)
@@ -352,6 +357,10 @@ class RadixTree:
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
+
+
+def _last_access(node: Node) -> int:
+    return node.last_access
 
 
 def _require(condition: object, message: str) -> None:

@@ -29,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from stemma import protocol as P
 from stemma.outputs import RequestOutput
+from stemma.program_call import ProgramCall
 from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from stemma.sampling_params import SamplingParams
 
@@ -172,7 +173,7 @@ def read_reply(raw: list[bytes]) -> P.Message:
 
 
 def generate_request(prompt: Prompt, params: Params, stream: bool, rid: str | None,
-                     salt: str | None) -> P.GenerateReq:
+                     salt: str | None, call: ProgramCall | None = None) -> P.GenerateReq:
     if params is None:
         params = SamplingParams()
     elif isinstance(params, dict):
@@ -181,12 +182,12 @@ def generate_request(prompt: Prompt, params: Params, stream: bool, rid: str | No
         raise ValueError(f"n must be 1 when streaming, got {params.n}")
     rid = rid or new_rid()
     if isinstance(prompt, str):
-        return P.GenerateReq(rid=rid, prompt=prompt, params=params, stream=stream, salt=salt)
+        return P.GenerateReq(rid=rid, prompt=prompt, params=params, stream=stream, salt=salt, call=call)
     if not is_one_prompt(prompt):
         raise ValueError(f"expected one prompt (a str or a non-empty list of int token ids; a "
                          f"stream takes one prompt), got {describe(prompt)}")
     return P.GenerateReq(rid=rid, input_ids=[int(t) for t in prompt], params=params, stream=stream,
-                         salt=salt)
+                         salt=salt, call=call)
 
 
 # ---- what generate accepts: Engine.generate's rules (stemma.engine.engine.is_single) ----
@@ -244,11 +245,11 @@ def generate_calls(prompts: Prompts, params: Params | Sequence[Params],
 
 
 def generate_requests(prompts: Prompts, params: Params | Sequence[Params], rid: str | None,
-                      salt: str | None) -> tuple[list[P.GenerateReq], bool]:
+                      salt: str | None, call: ProgramCall | None = None) -> tuple[list[P.GenerateReq], bool]:
     """The requests of a non-streamed generate call, all checked before any is sent, and
     whether it was given one prompt."""
     calls, single = generate_calls(prompts, params, rid)
-    return [generate_request(p, sp, False, rid, salt) for p, sp in calls], single
+    return [generate_request(p, sp, False, rid, salt, call) for p, sp in calls], single
 
 
 def gathered(outputs: list[list[RequestOutput]], single: bool) -> RequestOutput | list[RequestOutput]:
@@ -478,10 +479,10 @@ class ClientCore:
         return delta
 
     def generate(self, prompts: Prompts, params: Params | Sequence[Params], salt: str | None,
-                 rid: str | None, timeout: float | None) -> Op:
+                 rid: str | None, timeout: float | None, call: ProgramCall | None = None) -> Op:
         """One request per prompt, all sent at once, gathered in order (see `gathered`). If one
         fails, the others still in flight are aborted and its error is raised."""
-        msgs, single = generate_requests(prompts, params, rid, salt)
+        msgs, single = generate_requests(prompts, params, rid, salt, call)
         states = [GenerateState(msg.params.n) for msg in msgs]
         sent: list[str] = []
         try:
@@ -528,22 +529,30 @@ class ClientBase:
 
     def generate(self, prompts: Prompts, params: Params | Sequence[Params] = None, *,
                  salt: str | None = None, rid: str | None = None,
-                 timeout: float | None = None) -> RequestOutput | list[RequestOutput]:
+                 timeout: float | None = None,
+                 call: ProgramCall | None = None) -> RequestOutput | list[RequestOutput]:
         """As Engine.generate: for one prompt (text or token ids) its finished output (a list
         when params.n > 1); for a list of prompts, a list of outputs, n per prompt, in order.
-        `params` may be a list, one per prompt."""
-        return self._run(self._core.generate(prompts, params, salt, rid, self._timeout(timeout)))
+        `params` may be a list, one per prompt. `call`: the program context of every request
+        (stemma.program_call)."""
+        return self._run(self._core.generate(prompts, params, salt, rid, self._timeout(timeout), call))
 
     def stream(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
-               rid: str | None = None, timeout: float | None = None) -> "StreamBase":
+               rid: str | None = None, timeout: float | None = None,
+               call: ProgramCall | None = None) -> "StreamBase":
         """Text deltas as they are generated; see Stream."""
-        msg = generate_request(prompt, params, True, rid, salt)
+        msg = generate_request(prompt, params, True, rid, salt, call)
         self._core.start(msg)
         return self._stream(self, msg.rid, self._timeout(timeout))
 
     def abort(self, rid: str) -> None:
         """Stops request `rid`; its stream ends with finish_reason 'abort'. Unknown ids are ignored."""
         self._core.send(P.Abort(rid=rid))
+
+    def end_program(self, program_id: str) -> None:
+        """Tells the server that program `program_id` calls no more (no reply): a program-aware
+        server evicts its KV first."""
+        self._core.send(P.EndProgram(rid=new_rid(), program_id=program_id))
 
     def flush_cache(self, timeout: float | None = 30.0) -> bool:
         """Drops the radix cache; False (and nothing dropped) while requests run."""

@@ -42,6 +42,7 @@ from stemma.client.core import (CONNECTION_LOST, DEFAULT_CONNECT_TIMEOUT_S, WRON
                                 check_connect_timeout, gathered, generate_calls,
                                 generate_request, unhealthy)
 from stemma.outputs import RequestOutput
+from stemma.program_call import ProgramCall
 from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from stemma.text.sse import SSE
 
@@ -57,13 +58,16 @@ _TYPE_CODES = {"invalid_request_error": P.BAD_REQUEST, "authentication_error": P
 
 # ---- the wire format ----
 def request_body(prompt: Prompt, params: Params, stream: bool, rid: str | None, salt: str | None,
-                 program: str | None) -> dict[str, Any]:
+                 program: str | None, call: ProgramCall | None = None) -> dict[str, Any]:
     """The JSON body of POST /generate, checked as the ZeroMQ client checks its requests."""
-    msg = generate_request(prompt, params, stream, rid, salt)
+    msg = generate_request(prompt, params, stream, rid, salt, call)
     if program is not None:
         P.GenerateReq(rid=msg.rid, input_ids=[0], program=program)  # checks its length
-    return {"text": msg.prompt, "input_ids": msg.input_ids, "sampling_params": msg.params.to_dict(),
+    body = {"text": msg.prompt, "input_ids": msg.input_ids, "sampling_params": msg.params.to_dict(),
             "stream": stream, "rid": msg.rid, "salt": msg.salt, "program": program}
+    if call is not None:
+        body["program_call"] = call.to_dict()
+    return body
 
 
 def output_from(data: dict[str, Any]) -> RequestOutput:
@@ -111,11 +115,12 @@ def status_error(status: int, content: bytes) -> ServerError:
 
 
 def request_bodies(prompts: Prompts, params: Params | Sequence[Params], rid: str | None,
-                   salt: str | None, program: str | None) -> tuple[list[dict[str, Any]], bool]:
+                   salt: str | None, program: str | None,
+                   call: ProgramCall | None = None) -> tuple[list[dict[str, Any]], bool]:
     """The bodies of a non-streamed generate call, one per prompt, all checked before any is
     sent (see core.generate_calls), and whether it was given one prompt."""
     calls, single = generate_calls(prompts, params, rid)
-    return [request_body(p, sp, False, rid, salt, program) for p, sp in calls], single
+    return [request_body(p, sp, False, rid, salt, program, call) for p, sp in calls], single
 
 
 def as_list(result: RequestOutput | list[RequestOutput]) -> list[RequestOutput]:
@@ -569,20 +574,21 @@ class HttpClient:
     # ---- the calls ----
     def generate(self, prompts: Prompts, params: Params | Sequence[Params] = None, *,
                  salt: str | None = None, rid: str | None = None, timeout: float | None = None,
-                 program: str | None = None) -> RequestOutput | list[RequestOutput]:
+                 program: str | None = None,
+                 call: ProgramCall | None = None) -> RequestOutput | list[RequestOutput]:
         """As Engine.generate: for one prompt (text or token ids) its finished output (a list
         when params.n > 1); for a list of prompts, a list of outputs, n per prompt, in order
         (sent one after another). `params` may be a list, one per prompt."""
-        bodies, single = request_bodies(prompts, params, rid, salt, program)
+        bodies, single = request_bodies(prompts, params, rid, salt, program, call)
         timeout = self._timeout(timeout)
         return gathered([as_list(generate_result(_json(self._request("POST", "/generate", timeout, body))))
                          for body in bodies], single)
 
     def stream(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
                rid: str | None = None, timeout: float | None = None,
-               program: str | None = None) -> HttpStream:
+               program: str | None = None, call: ProgramCall | None = None) -> HttpStream:
         """Text deltas as they are generated; see HttpStream."""
-        body = request_body(prompt, params, True, rid, salt, program)
+        body = request_body(prompt, params, True, rid, salt, program, call)
         return HttpStream(self, body, self._timeout(timeout))
 
     def abort(self, rid: str) -> None:
@@ -591,6 +597,10 @@ class HttpClient:
         stream = self._streams.get(rid)
         if stream is not None:
             stream._abort()
+
+    def end_program(self, program_id: str, timeout: float | None = 30.0) -> None:
+        """Tells the server that program `program_id` calls no more (stemma.program_call)."""
+        self._request("POST", "/end_program", timeout, {"program_id": program_id})
 
     def flush_cache(self, timeout: float | None = 30.0) -> bool:
         """Drops the radix cache; False (and nothing dropped) while requests run."""
@@ -613,10 +623,10 @@ class HttpClient:
     # ---- asyncio ----
     async def agenerate(self, prompts: Prompts, params: Params | Sequence[Params] = None, *,
                         salt: str | None = None, rid: str | None = None,
-                        timeout: float | None = None,
-                        program: str | None = None) -> RequestOutput | list[RequestOutput]:
+                        timeout: float | None = None, program: str | None = None,
+                        call: ProgramCall | None = None) -> RequestOutput | list[RequestOutput]:
         """As generate, with a list of prompts sent all at once (see all_or_none)."""
-        bodies, single = request_bodies(prompts, params, rid, salt, program)
+        bodies, single = request_bodies(prompts, params, rid, salt, program, call)
         aclient, timeout = self._aclient(), self._timeout(timeout)
 
         async def one(body: dict[str, Any]) -> list[RequestOutput]:
@@ -626,9 +636,9 @@ class HttpClient:
 
     def astream(self, prompt: Prompt, params: Params = None, *, salt: str | None = None,
                 rid: str | None = None, timeout: float | None = None,
-                program: str | None = None) -> AsyncHttpStream:
+                program: str | None = None, call: ProgramCall | None = None) -> AsyncHttpStream:
         """An async iterator of text deltas (an AsyncHttpStream); must be called inside a running loop."""
-        body = request_body(prompt, params, True, rid, salt, program)
+        body = request_body(prompt, params, True, rid, salt, program, call)
         return AsyncHttpStream(self._aclient(), body, self._timeout(timeout))
 
     async def aabort(self, rid: str) -> None:
@@ -637,6 +647,9 @@ class HttpClient:
             stream._abort()
             if isinstance(stream, AsyncHttpStream):
                 await stream.aclose()
+
+    async def aend_program(self, program_id: str, timeout: float | None = 30.0) -> None:
+        await self._aclient().request("POST", "/end_program", timeout, {"program_id": program_id})
 
     async def aflush_cache(self, timeout: float | None = 30.0) -> bool:
         return bool(_json(await self._aclient().request("POST", "/flush_cache", timeout)).get("ok"))

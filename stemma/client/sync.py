@@ -148,6 +148,9 @@ class Client(ClientBase):
     async def aabort(self, rid: str) -> None:
         self._aclient().abort(rid)
 
+    async def aend_program(self, program_id: str) -> None:
+        self._aclient().end_program(program_id)
+
     async def aflush_cache(self, timeout: float | None = 30.0) -> bool:
         return await self._aclient().flush_cache(timeout)
 

@@ -13,6 +13,7 @@ from stemma.cache.radix_cache import RadixCache
 from stemma.constrained.constrainer import Constrainer
 from stemma.engine.limits import Limits
 from stemma.engine.output import request_output
+from stemma.engine.programs import Programs
 from stemma.engine.request import Request, RequestFailed
 from stemma.engine.scheduler import Scheduler
 from stemma.engine.stop import StopRule
@@ -24,6 +25,7 @@ from stemma.executor.executor import Executor, fault_text
 from stemma.executor.runner import ModelRunner, RunnerConfig
 from stemma.loader.model import LoadedModel, load_model
 from stemma.outputs import RequestOutput
+from stemma.program_call import ProgramCall
 from stemma.sampling.sampler import Sampler
 from stemma.sampling.seeded_noise import sibling_seed
 from stemma.sampling_params import SamplingParams
@@ -95,13 +97,15 @@ class Engine:
         self.sampler = Sampler(generator)
         self.constrainer = Constrainer(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids,
                                        cfg.enable_jump_forward, cfg.constraint_cache_size)
-        self.cache = RadixCache(self.runner.pool.allocator, self.runner.req_to_slot, cfg.enable_radix_cache)
+        self.programs = Programs.of(cfg)
+        self.cache = RadixCache(self.runner.pool.allocator, self.runner.req_to_slot, cfg.enable_radix_cache,
+                                self.programs.rank(cfg))
         self.spec = make_speculation(cfg, self.cache, self.runner.req_to_slot, self.runner.max_context,
                                      target=self.runner)
         self.step_cost = StepCost()
         self.scheduler = Scheduler(cfg, self.cache, self.runner.req_to_slot, self.constrainer,
                                    StopRule(self.eos_token_ids, self.runner.max_context, self.tokenizer),
-                                   self.spec, self.step_cost)
+                                   self.spec, self.step_cost, self.programs)
         self.executor = Executor(self.runner, self.sampler, self.constrainer, self.eos_token_ids)
         self.limits = Limits.of(cfg, self.runner.max_context)
         if cfg.has_default_targets:
@@ -138,10 +142,11 @@ class Engine:
                 raise ValueError(f"{name} holds token ids outside [0, {vocab}): {bad[:5]}")
 
     def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None, *,
-               rid: str | None = None, salt: str | None = None) -> list[Request]:
+               rid: str | None = None, salt: str | None = None,
+               call: ProgramCall | None = None) -> list[Request]:
         """Queues a prompt; returns its `params.n` requests. A ValueError (a bad prompt, one too
         long for the context, a request past a limit of stemma.engine.limits, a bad constraint)
-        queues none of them."""
+        queues none of them. `call`: the program context (stemma.program_call), if any."""
         params = as_params(params)
         ids = self.tokenize(prompt)
         self.limits.check(ids, params)
@@ -153,7 +158,7 @@ class Engine:
             if params.n > 1:
                 p = params.replace(n=1, seed=None if params.seed is None else sibling_seed(params.seed, i))
             reqs.append(Request(rid=rid if params.n == 1 else f"{rid}-{i}", input_ids=ids, params=p,
-                                salt=salt))
+                                salt=salt, call=call))
         for req in reqs:  # the first add checks what every sibling shares, so none or all queue
             self.scheduler.add(req)
         return reqs
@@ -192,6 +197,10 @@ class Engine:
 
     def abort(self, rid: str) -> Request | None:
         return self.scheduler.abort(rid)
+
+    def end_program(self, program_id: str) -> None:
+        """Program `program_id` calls no more: a program-aware cache evicts its KV first."""
+        self.programs.end(program_id)
 
     def run_until_done(self, reqs: Sequence[Request]) -> None:
         while not all(r.finished for r in reqs):

@@ -6,14 +6,24 @@
 - dfs-weight: walks the radix tree depth-first, heaviest subtree (most waiting requests) first,
   so requests that share a prefix run together.
 - sjf: shortest remaining work (uncomputed prompt tokens + tokens still to generate) first.
+- program: program-level least attained service (as Autellix's PLAS), for requests that carry a
+  program context (stemma.program_call; engine.programs keeps each program's record). In order:
+  calls that waited longer than program_starvation_s (the age term: no call starves), oldest
+  first; then calls that resume a program whose last KV is still cached (a call after a tool
+  pause: admitted ahead of new programs, before its KV is evicted); then everything else. Within
+  the last two, least attained service first (the tokens computed for the program so far; a
+  request with no program has none), then the program's first arrival, so that the calls of one
+  program (its forks) are next to each other and are admitted together.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from functools import wraps
 from typing import Callable, Sequence
 
 from stemma.cache.radix_tree import Node
+from stemma.engine.programs import Programs
 from stemma.engine.request import Request
 from stemma.registry import POLICIES
 
@@ -80,3 +90,19 @@ def _dfs_weight(reqs: list[Request], matched: dict[int, Matched]) -> list[Reques
         children = [c for c in node.children.values() if weight.get(id(c))]
         stack.extend(sorted(children, key=lambda n: weight[id(n)]))
     return out
+
+
+@POLICIES.register("program")
+def _program(reqs: list[Request], match: MatchFn, fallback_len: int) -> list[Request]:
+    now = time.perf_counter()
+    matching = len(reqs) <= fallback_len  # else no call is known to be resumed
+
+    def key(r: Request) -> tuple:
+        rec = r.program
+        if rec is None:
+            return 2, 0, r.arrival, r.arrival
+        if now - r.arrival > rec.starve_after_s:
+            return 0, 0, r.arrival, r.arrival
+        resumed = matching and rec.last_kv_len > 0 and Programs.resumed(r, match(r)[0])
+        return 1 if resumed else 2, rec.attained, rec.first_arrival, r.arrival
+    return sorted(reqs, key=key)

@@ -86,6 +86,8 @@ class EngineLoop:
             for engine_rid in list(self.groups.get(msg.rid, ())):
                 if self.engine.abort(engine_rid) is not None:
                     self._publish(self.live[engine_rid])
+        elif isinstance(msg, P.EndProgram):
+            self.engine.end_program(msg.program_id)
         elif isinstance(msg, P.FlushCache):
             self.send(P.FlushDone(rid=msg.rid, ok=self.engine.flush_cache()))
         elif isinstance(msg, P.GetInfo):
@@ -102,7 +104,7 @@ class EngineLoop:
     def _generate(self, msg: P.GenerateReq) -> None:
         prompt = msg.input_ids if msg.input_ids is not None else msg.prompt
         try:
-            reqs = self.engine.submit(prompt, msg.params, rid=msg.rid, salt=msg.salt)
+            reqs = self.engine.submit(prompt, msg.params, rid=msg.rid, salt=msg.salt, call=msg.call)
         except ValueError as exc:
             logger.debug("request %s rejected: %s", msg.rid, exc)
             self.outbox.append(P.ErrorMsg(rid=msg.rid, code=P.BAD_REQUEST, message=str(exc)))

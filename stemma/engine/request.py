@@ -10,6 +10,8 @@ from stemma.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from stemma.cache.radix_tree import Node
+    from stemma.engine.programs import ProgramRecord
+    from stemma.program_call import ProgramCall
     from stemma.constrained.guide import Guide
     from stemma.text.detokenizer import TextStream
 
@@ -45,6 +47,8 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     salt: str | None = None
+    call: ProgramCall | None = None  # the program context it came with, if any
+    program: ProgramRecord | None = None  # its program's record (engine.programs), with call
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     row: int | None = None

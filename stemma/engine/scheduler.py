@@ -46,6 +46,7 @@ from stemma.engine.admission import Admission
 from stemma.engine.counters import Counters
 from stemma.engine.plan import StepPlan
 from stemma.engine.prefix_match import PrefixMatches
+from stemma.engine.programs import Programs
 from stemma.engine.request import ReqState, Request
 from stemma.engine.retraction import Retraction
 from stemma.engine.slo import MIN_CHUNK, Slo, victims
@@ -71,8 +72,9 @@ GUIDE_WAIT_S = 1.0         # `wait` while a guide builds (its completion wakes i
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: RadixCache, req_to_slot: ReqToSlot,
                  constrainer: Constrainer, stops: StopRule, spec: Speculation | None = None,
-                 cost: StepCost | None = None):
+                 cost: StepCost | None = None, programs: Programs | None = None):
         self.config = config
+        self.programs = programs if programs is not None else Programs.of(config)
         self.cost = cost if cost is not None else StepCost()
         self.slo = Slo(config, self.cost)
         self.target: tuple[float, int] | None = None  # this step's (T, priority holding it)
@@ -100,6 +102,8 @@ class Scheduler:
                              f"{self.max_context} tokens")
         spec = self.constrainer.check(req.params) if req.params.is_constrained else None
         req.state = ReqState.WAITING
+        if req.call is not None and req.program is None:
+            self.programs.on_submit(req)
         if spec is None:
             self.waiting.append(req)
         else:
@@ -361,12 +365,15 @@ class Scheduler:
                 if admission.budget == 0:
                     admission.budget = budget
                     continue
+            first = not req.admitted_once
             n = admission.admit(req, enforce_reserve=continuous)
             admission.budget = budget
             if n is None:
                 if continuous:
                     break
                 continue
+            if first:
+                self.programs.on_admitted(req)
             self.waiting.remove(req)
             admission.take(n)
             computing.append(req)
@@ -413,8 +420,10 @@ class Scheduler:
         if i in out.prompt_logprobs:
             self._book_prompt_logprobs(req, n, out.prompt_logprobs[i])
         req.kv_len += 1 if i in plan.drafts else n  # a draft's KV counts once it is accepted
+        self.programs.on_computed(req, n)
         if req.kv_len < len(req.tokens):
-            req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
+            req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node,
+                                                      req.program)
         elif not plan.sample[i]:
             self._finish(req, "length")  # max_new_tokens == 0: the prompt was all it asked for
 
@@ -482,7 +491,8 @@ class Scheduler:
                 self._fault(req, exc, ends[i])
         for req in newly_prompt_done:  # share the prompt with siblings and later requests now
             try:
-                req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
+                req.node, _ = self.cache.cache_unfinished(req.row, req.tokens[:req.kv_len], req.salt, req.node,
+                                                          req.program)
             except Exception as exc:
                 self._fault(req, exc, req.kv_len)
 
@@ -559,13 +569,15 @@ class Scheduler:
             return
         if self.spec is not None:
             self.spec.release(req)
-        self.cache.cache_finished(req.row, req.tokens[:req.kv_len], req.salt, req.node)
+        self.cache.cache_finished(req.row, req.tokens[:req.kv_len], req.salt, req.node, owner=req.program)
         self.req_to_slot.free_row(req.row)
         self.running.remove(req)
         req.row, req.node, req.kv_len = None, None, 0
 
     def _finish(self, req: Request, reason: str) -> Request:
+        kv_len = req.kv_len
         self._release(req)
+        self.programs.on_finish(req, kv_len)
         req.constraint = None
         req.state = ReqState.FINISHED
         req.finish_reason = reason
@@ -592,7 +604,7 @@ class Scheduler:
         return {"queue": len(self.waiting), "running": len(self.running),
                 "grammar_queue": len(self.grammar_queue), "preemptions": self.counters.preemptions,
                 "slo_give_way": self.counters.slo_give_way, "slo": self.slo.attainment.stats(),
-                "step_cost": self.cost.stats()}
+                "step_cost": self.cost.stats(), **self.programs.stats()}
 
 
 def constraint_field(req: Request) -> str:

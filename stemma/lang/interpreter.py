@@ -14,17 +14,22 @@ that generates nothing), then every branch starts from those ids.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import statistics
 import time
+import uuid
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeAlias
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeAlias
 
-from stemma.lang.backends.base import Backend
+from stemma.lang.backends.base import CURRENT_CALL, Backend
 from stemma.lang.errors import RoleError, UnknownVariable, VariableNotGenerated
 from stemma.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, sets_variable
 from stemma.lang.scoring import decide
 from stemma.lang.suspend import post
 from stemma.lang.usage import CallRecord
+from stemma.program_call import ProgramCall
 from stemma.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,6 +58,7 @@ class Snapshot:
     messages: tuple[Mapping[str, str], ...]
     role: str | None
     role_start: int
+    fork_call: int | None = None  # the parent's last model call before the fork
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +120,10 @@ class Run:
         # the pause hints: every stemma.tool call of the program, in the order they started.
         # Written by the body's thread (list appends, attribute sets), read on the loop.
         self.tool_calls: list[ToolCall] = []
+        # the program context each model call carries (stemma.program_call)
+        self.program_id = uuid.uuid4().hex
+        self._call_index = itertools.count()
+        self.calls_made = 0
 
     def root(self) -> "StateExecutor":
         start = Snapshot(tuple(self.config.backend.codec.start_ids), "", {}, {}, (), None, 0)
@@ -127,6 +137,30 @@ class Run:
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Calls `fn(*args)` on the loop: now from the loop's own thread, else in order."""
         post(self.loop, fn, *args)
+
+    # ---- the program context of model calls ----
+    @contextmanager
+    def call(self, fork_parent: int | None) -> Iterator[int]:
+        """Around one model call (its requests): they carry this program's context, a new call
+        index (yielded), and the pause the program's finished tool calls took on average."""
+        index = next(self._call_index)
+        self.calls_made += 1
+        parent = fork_parent if fork_parent is not None and fork_parent < index else None
+        token = CURRENT_CALL.set(ProgramCall(self.program_id, index, parent, True, self.pause_hint()))
+        try:
+            yield index
+        finally:
+            CURRENT_CALL.reset(token)
+
+    def pause_hint(self) -> float | None:
+        """The mean of the program's finished tool calls, in seconds; None before any."""
+        done = [c.seconds for c in self.tool_calls if c.seconds is not None]
+        return statistics.fmean(done) if done else None
+
+    async def end(self) -> None:
+        """Tells the backend that the program calls no more (when it made any call)."""
+        if self.calls_made:
+            await self.config.backend.end_program(self.program_id)
 
     # ---- pause hints ----
     def tool_started(self, name: str) -> ToolCall:
@@ -177,6 +211,8 @@ class StateExecutor:
         self.role_start = 0
         self.calls: list[CallRecord] = []
         self.children: list[StateExecutor] = []
+        self.last_call: int | None = None  # the index of this state's latest model call
+        self.fork_parent: int | None = None  # a branch: the parent's last call before the fork
         self.listeners: list[asyncio.Queue] = []
         self.error: BaseException | None = None
         self.busy = 1                # nodes queued or running, plus the wait for the origin
@@ -339,10 +375,12 @@ class StateExecutor:
         self.messages = [dict(m) for m in snap.messages]
         self.role = snap.role
         self.role_start = snap.role_start
+        self.fork_parent = self.last_call = snap.fork_call
 
     def snapshot(self) -> Snapshot:
         return Snapshot(tuple(self.flush()), self.text, dict(self.vars), dict(self.metas),
-                        tuple(dict(m) for m in self.messages), self.role, self.role_start)
+                        tuple(dict(m) for m in self.messages), self.role, self.role_start,
+                        self.last_call)
 
     def flush(self) -> list[int]:
         """The ids of everything so far: the pending text is tokenized now, once."""
@@ -417,6 +455,13 @@ class StateExecutor:
         self.role = None
         self._append_text(self.backend.chat_template.suffix(role))
 
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """One model call of this state, in its program's context (Run.call)."""
+        with self.run.call(self.fork_parent) as index:
+            self.last_call = index
+            yield
+
     def _gen_params(self, node: Gen) -> SamplingParams:
         params = SamplingParams.from_dict({**self.run.config.defaults, **node.overrides})
         template = self.backend.chat_template
@@ -429,7 +474,8 @@ class StateExecutor:
         params = self._gen_params(node)
         ids = self._prompt(f"gen {node.name!r}")
         on_text = self._emit_generated if self.listeners else None
-        out = await self.backend.generate(ids, params, on_text)
+        with self._call():
+            out = await self.backend.generate(ids, params, on_text)
         trimmed = bool(params.stop) and out.finish_reason == "stop"
         kept = self.codec.settle(out.token_ids, out.text, trimmed, params.stop_token_ids, ids)
         self._append_generated(out.text, kept, streamed=on_text is not None)
@@ -439,14 +485,16 @@ class StateExecutor:
     async def _select(self, node: Select) -> None:
         prefix = self._prompt(f"select {node.name!r}")
         choice_ids = [self.codec.encode(c) for c in node.choices]
-        self._record("prefill", node.name, (await self.backend.prefill(prefix)).meta)
+        with self._call():
+            self._record("prefill", node.name, (await self.backend.prefill(prefix)).meta)
         at = len(prefix)
         requests = [(prefix + ids, SamplingParams(**_SCORE, logprob_start=at)) for ids in choice_ids]
         if node.method == "unconditional_likelihood_normalized":
             context = list(self.codec.start_ids) or prefix[-1:]
             requests += [(context + ids, SamplingParams(**_SCORE, logprob_start=len(context)))
                          for ids in choice_ids]
-        outs = await self.backend.generate_batch(requests)
+        with self._call():
+            outs = await self.backend.generate_batch(requests)
         for out in outs:
             self._record("select", node.name, out.meta)
         logprobs = [list(out.prompt_logprobs) for out in outs]
@@ -458,7 +506,8 @@ class StateExecutor:
     async def _fork(self, node: ForkPoint) -> None:
         prefix = self.flush()
         if len(prefix) > len(self.codec.start_ids):
-            self._record("prefill", None, (await self.backend.prefill(prefix)).meta)
+            with self._call():
+                self._record("prefill", None, (await self.backend.prefill(prefix)).meta)
         node.future.set_result(self.snapshot())
 
     async def _join(self, node: JoinPoint) -> None:

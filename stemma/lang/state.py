@@ -18,6 +18,7 @@ comes after) is given up there.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from stemma.lang.roles import RoleMethods
 from stemma.lang.suspend import await_only, in_body, run_body, run_now
 from stemma.lang.usage import CallRecord, Usage
 from stemma.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -485,10 +488,19 @@ def start(body: Callable[..., Any], args: tuple, kwargs: dict, config: RunConfig
             await run.settle()
         finally:
             run.close()
+            await _end_program(run)
         return state
 
     state._task = loop.create_task(main())
     return state
+
+
+async def _end_program(run: Run) -> None:
+    """Tells the backend the program ended; a failure to (the server gone) is not the program's."""
+    try:
+        await run.end()
+    except Exception:  # the program's own outcome stands; the server's records time out
+        logger.debug("could not tell the backend that program %s ended", run.program_id, exc_info=True)
 
 
 def close_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -13,7 +13,9 @@ from typing import Any
 
 import msgpack
 
-from stemma.protocol.messages import _TYPES, DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Message, ProtocolError
+from stemma.program_call import ProgramCall
+from stemma.protocol.messages import (_TYPES, DEFAULT_MAX_FRAME_BYTES, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+                                      Message, ProtocolError)
 from stemma.protocol.wire_types import WireTypeError, coerce
 from stemma.sampling_params import SamplingParams
 
@@ -35,7 +37,7 @@ def _required(cls: type) -> list[str]:
 def _plain(value: Any) -> Any:
     if isinstance(value, Message):
         return to_wire(value)
-    if isinstance(value, SamplingParams):
+    if isinstance(value, (SamplingParams, ProgramCall)):
         return value.to_dict()
     if isinstance(value, list) and value and isinstance(value[0], Message):
         return [to_wire(v) for v in value]
@@ -50,11 +52,11 @@ def to_wire(msg: Message) -> dict[str, Any]:
 
 
 def _custom(value: Any, cls: type, where: str) -> Any:
-    if cls is SamplingParams:
+    if cls in (SamplingParams, ProgramCall):
         if not isinstance(value, dict):
             raise WireTypeError(f"{where} must be a map, got {type(value).__name__}")
         try:
-            return SamplingParams.from_dict(value)
+            return cls.from_dict(value)
         except (ValueError, TypeError) as exc:
             raise WireTypeError(f"{where}: {exc}") from None
     if isinstance(cls, type) and issubclass(cls, Message):
@@ -78,9 +80,10 @@ def from_wire(data: Any, allowed: tuple[type[Message], ...] | None = None) -> Me
         raise ProtocolError(f"unknown message type {tag!r}", rid)
     if allowed is not None and cls not in allowed:
         raise ProtocolError(f"a {tag!r} message is not accepted here", rid)
-    if data.get("version") != PROTOCOL_VERSION:
-        raise ProtocolError(f"{tag}: protocol version {data.get('version')!r} is not supported (this "
-                            f"side speaks version {PROTOCOL_VERSION})", rid)
+    version = data.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        raise ProtocolError(f"{tag}: protocol version {version!r} is not supported (this side speaks "
+                            f"versions {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION})", rid)
     hints = _hints(cls)
     unknown = sorted(map(str, set(data) - set(hints) - {"type"}))
     if unknown:

@@ -1,11 +1,15 @@
 """The wire protocol's messages: small versioned dataclasses (the codec is `codec.py`).
 
-    client ── GenerateReq / Abort / FlushCache / GetInfo / GetCacheTree / Health ──▶ gateway ──▶ engine
+    client ── GenerateReq / Abort / EndProgram / FlushCache / GetInfo / GetCacheTree / Health ──▶ gateway ──▶ engine
     client ◀─ TokenChunk / Finished / ErrorMsg / FlushDone / Info / CacheTree / HealthOk ── gateway ◀── engine
     gateway ◀── EngineReady, Heartbeat, Batch(TokenChunk | Finished | ErrorMsg) ── engine
 
 Between the client and the gateway a message travels as two frames, [api key, body];
 between the gateway and the engine, as the body alone.
+
+Versions: a message carries the version its sender speaks. Version 2 added the program context
+(GenerateReq.call, EndProgram); this side reads versions MIN_PROTOCOL_VERSION to PROTOCOL_VERSION,
+and a message or field newer than the version it claims is refused.
 """
 from __future__ import annotations
 
@@ -14,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from stemma.outputs import RequestOutput
+from stemma.program_call import ProgramCall
 from stemma.sampling_params import SamplingParams
 
-__all__ = ['PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'CUT_OFF', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'Batch', 'CLIENT_REQUESTS']
+__all__ = ['PROTOCOL_VERSION', 'MIN_PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'CUT_OFF', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'EndProgram', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'Batch', 'CLIENT_REQUESTS']
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+MIN_PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
 MAX_ID_CHARS = 256
 
@@ -49,6 +55,7 @@ _TYPES: dict[str, type["Message"]] = {}
 class Message:
     """Base of every message; `TAG` names it on the wire."""
     TAG: ClassVar[str] = ""
+    SINCE: ClassVar[int] = 1  # the protocol version that added this message
     version: int = PROTOCOL_VERSION
 
     def __init_subclass__(cls, **kwargs):
@@ -58,9 +65,11 @@ class Message:
         _TYPES[cls.TAG] = cls
 
     def __post_init__(self):
-        if self.version != PROTOCOL_VERSION:
+        if not MIN_PROTOCOL_VERSION <= self.version <= PROTOCOL_VERSION:
             raise ValueError(f"protocol version {self.version} is not supported (this side speaks "
-                             f"version {PROTOCOL_VERSION})")
+                             f"versions {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION})")
+        if self.version < self.SINCE:
+            raise ValueError(f"a {self.TAG!r} message needs protocol version {self.SINCE} or later")
         rid = getattr(self, "rid", None)
         if rid is not None and not 0 < len(rid) <= MAX_ID_CHARS and self.TAG != "error":
             raise ValueError(f"rid must hold 1 to {MAX_ID_CHARS} characters, got {len(rid)}")
@@ -78,9 +87,12 @@ class GenerateReq(Message):
     stream: bool = False           # chunks of all n sequences, each with its index
     salt: str | None = None
     program: str | None = None     # the frontend program that sent it (shown on the dashboard)
+    call: ProgramCall | None = None  # the program context (version 2): see stemma.program_call
 
     def __post_init__(self):
         super().__post_init__()
+        if self.call is not None and self.version < 2:
+            raise ValueError("generate.call needs protocol version 2 or later")
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError("a generate request needs exactly one of prompt and input_ids")
         if self.input_ids is not None and not self.input_ids:
@@ -96,6 +108,20 @@ class Abort(Message):
     """Stops a request; its Finished comes back with finish_reason 'abort'. Unknown ids are ignored."""
     TAG: ClassVar[str] = "abort"
     rid: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndProgram(Message):
+    """Program `program_id` has ended: it calls no more, so a program-aware engine evicts its
+    KV first. No reply; an unknown id is ignored."""
+    TAG: ClassVar[str] = "end_program"
+    SINCE: ClassVar[int] = 2
+    rid: str
+    program_id: str
+
+    def __post_init__(self):
+        super().__post_init__()
+        ProgramCall(self.program_id)  # checks the id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,4 +275,4 @@ class Batch(Message):
     items: list[TokenChunk | Finished | ErrorMsg]
 
 
-CLIENT_REQUESTS = (GenerateReq, Abort, FlushCache, GetInfo, GetCacheTree, Health)
+CLIENT_REQUESTS = (GenerateReq, Abort, EndProgram, FlushCache, GetInfo, GetCacheTree, Health)

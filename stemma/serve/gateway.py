@@ -424,6 +424,8 @@ class Gateway:
             gid = self.routes.find(peer, msg.rid)
             if gid is not None:
                 self.to_engine(peer, msg.rid, P.Abort(rid=gid))
+        elif isinstance(msg, P.EndProgram):  # no reply: the engine only marks the program ended
+            self.to_engine(peer, msg.rid, msg)
         else:
             self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG))
 

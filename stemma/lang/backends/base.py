@@ -7,6 +7,7 @@ the language (backends/mock.py). Every prompt is a list of token ids made with `
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,9 +16,15 @@ from typing import Any, Callable, Sequence
 from stemma.lang.chat_template import ChatTemplate, for_codec
 from stemma.lang.codec import TokenCodec
 from stemma.outputs import RequestOutput
+from stemma.program_call import ProgramCall
 from stemma.sampling_params import SamplingParams
 
 OnText = Callable[[str], None]
+
+# The program context of the requests being made: the interpreter sets it around each model call
+# of a program (interpreter.Run.call); a backend that can carry it sends it with each request.
+CURRENT_CALL: contextvars.ContextVar[ProgramCall | None] = contextvars.ContextVar("stemma_program_call",
+                                                                                default=None)
 
 
 @dataclass
@@ -68,6 +75,10 @@ class Backend(ABC):
     async def generate_batch(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
         """Several requests submitted together, so that the engine runs them in one batch."""
         return list(await asyncio.gather(*(self.generate(ids, p) for ids, p in requests)))
+
+    async def end_program(self, program_id: str) -> None:
+        """The program calls no more (stemma.program_call); a backend whose server keeps program
+        records tells it. This one does nothing."""
 
     async def prefill(self, ids: list[int]) -> RequestOutput:
         """Puts `ids` in the cache (a request that generates nothing); its meta says how many

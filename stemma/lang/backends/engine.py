@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from stemma.lang.backends.base import Backend, OnText
+from stemma.lang.backends.base import CURRENT_CALL, Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ class EngineBackend(Backend):
         loop = asyncio.get_running_loop()
         if self._driver is not None and self._driver.get_loop() is not loop:
             self._abort(list(self._waiting.values()))  # left over from a loop that has gone away
-        (req,) = self.engine.submit(ids, params)
+        (req,) = self.engine.submit(ids, params, call=CURRENT_CALL.get())
         waiter = _Waiter(req, loop.create_future(), on_text)
         if on_text is not None:
             waiter.published = Publisher(self.engine.text_stream(req))
@@ -59,6 +59,9 @@ class EngineBackend(Backend):
         if self._driver is None or self._driver.done() or self._driver.get_loop() is not loop:
             self._driver = loop.create_task(self._drive())
         return waiter.future
+
+    async def end_program(self, program_id: str) -> None:
+        self.engine.end_program(program_id)
 
     def _abort(self, waiters: list[_Waiter]) -> None:
         for waiter in waiters:

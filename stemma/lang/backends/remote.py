@@ -12,7 +12,7 @@ import functools
 import sys
 from typing import TYPE_CHECKING, Any
 
-from stemma.lang.backends.base import Backend, OnText
+from stemma.lang.backends.base import CURRENT_CALL, Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
 from stemma.lang.errors import BackendUnreachable
 from stemma.client.sync import Client, connect
@@ -72,11 +72,12 @@ class RemoteBackend(Backend):
 
     async def generate(self, ids: list[int], params: SamplingParams,
                        on_text: OnText | None = None) -> RequestOutput:
+        call = CURRENT_CALL.get()
         try:
             if on_text is None:
-                output = await self.client.agenerate(ids, params)
+                output = await self.client.agenerate(ids, params, call=call)
             else:
-                stream = self.client.astream(ids, params)
+                stream = self.client.astream(ids, params, call=call)
                 async for delta in stream:
                     on_text(delta)
                 output = stream.output
@@ -87,6 +88,9 @@ class RemoteBackend(Backend):
             raise error from exc
         self.token_usage.add(output.meta)
         return output
+
+    async def end_program(self, program_id: str) -> None:
+        await self.client.aend_program(program_id)
 
     async def stats(self) -> dict[str, Any]:
         return (await self.client.ainfo(timeout=self.connect_timeout))["stats"]

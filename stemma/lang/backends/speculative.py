@@ -121,5 +121,8 @@ class SpeculativeBackend(Backend):
     async def prefill(self, ids: list[int]) -> RequestOutput:
         return await self.inner.prefill(ids)
 
+    async def end_program(self, program_id: str) -> None:
+        await self.inner.end_program(program_id)
+
     async def stats(self) -> dict[str, Any]:
         return await self.inner.stats()

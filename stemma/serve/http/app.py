@@ -14,7 +14,8 @@ from stemma.serve.http import chat, completions, errors, native
 from stemma.serve.http.dashboard import dashboard_router
 from stemma.serve.http.errors import ApiError, error_body
 from stemma.serve.http.openai_models import (ChatCompletionRequest, CompletionRequest,
-                                             DetokenizeRequest, GenerateRequest, TokenizeRequest)
+                                             DetokenizeRequest, EndProgramRequest, GenerateRequest,
+                                             TokenizeRequest)
 from stemma.serve.http.state import HttpState
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -88,6 +89,10 @@ def make_app(state: HttpState) -> FastAPI:
     @app.get("/get_server_info", dependencies=keyed)
     async def get_server_info():
         return await native.server_info(state)
+
+    @app.post("/end_program", dependencies=keyed)
+    async def end_program(body: EndProgramRequest):
+        return native.end_program(state, body)
 
     @app.post("/flush_cache", dependencies=keyed)
     async def flush_cache():

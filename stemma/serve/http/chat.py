@@ -81,7 +81,7 @@ def _start(state: HttpState, req: ChatCompletionRequest) -> G.Run:
     extra["stop"] = stops + [s for s in template.stop if s not in stops]
     extra["stop_token_ids"] = stop_ids + [t for t in template.stop_ids if t not in stop_ids]
     params = params_of(req, G.max_tokens_for(state, prompts, requested), **extra)
-    return G.start(state, prompts, params, req.stream)
+    return G.start(state, prompts, params, req.stream, call=req.program_call)
 
 
 def _logprobs(state: HttpState, ids: list[int], logprobs, tops) -> dict:

@@ -104,7 +104,7 @@ def _start(state: HttpState, req: CompletionRequest) -> G.Run:
         if req.echo:
             extra["logprob_start"] = 0
     params = params_of(req, G.max_tokens_for(state, prompts, req.max_tokens), **extra)
-    return G.start(state, prompts, params, req.stream)
+    return G.start(state, prompts, params, req.stream, call=req.program_call)
 
 
 async def create(state: HttpState, req: CompletionRequest, request: Request):

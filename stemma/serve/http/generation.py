@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from stemma import protocol as P
+from stemma.program_call import ProgramCall
 from stemma.sampling_params import SamplingParams
 from stemma.serve.http.errors import ApiError, ClientGone, bad_field, from_server
 from stemma.serve.http.state import HttpState, LocalPeer
@@ -52,8 +53,19 @@ class Run:
         return len(self.prompts) * self.params.n
 
 
+def program_call(data: dict[str, Any] | None) -> ProgramCall | None:
+    """The request's `program_call` field, checked."""
+    if data is None:
+        return None
+    try:
+        return ProgramCall.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise bad_field("program_call", str(exc)) from None
+
+
 def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, stream: bool,
-          program: str | None = None) -> Run:
+          program: str | None = None, call: dict[str, Any] | None = None) -> Run:
+    checked = program_call(call)
     limit = state.engine.context_length
     for i, prompt in enumerate(prompts):
         if len(prompt.ids) + (params.max_new_tokens > 0) > limit:
@@ -65,7 +77,7 @@ def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, strea
         rid = state.new_rid()
         run.rids[rid] = i
         run.peer.send(P.GenerateReq(rid=rid, input_ids=prompt.ids, params=params, stream=stream,
-                                    program=program))
+                                    program=program, call=checked))
     return run
 
 

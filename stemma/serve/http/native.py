@@ -1,5 +1,5 @@
 """stemma's own routes: `/generate` (one prompt, all of SamplingParams: what
-`stemma.connect("http://...")` speaks), `/get_server_info`, `/health`, `/flush_cache`,
+`stemma.connect("http://...")` speaks), `/end_program`, `/get_server_info`, `/health`, `/flush_cache`,
 `/tokenize`, `/detokenize`, `/v1/models`.
 
 `/generate` answers a RequestOutput as JSON (a list of them for n > 1, their rids suffixed `-i`
@@ -18,7 +18,7 @@ from stemma import protocol as P
 from stemma.serve.http import generation as G
 from stemma.serve.http.chat import as_dicts, render
 from stemma.serve.http.errors import ApiError, bad_field, from_server
-from stemma.serve.http.openai_models import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from stemma.serve.http.openai_models import DetokenizeRequest, EndProgramRequest, GenerateRequest, TokenizeRequest
 from stemma.serve.http.sampling import check_model, native_params
 from stemma.serve.http.state import HttpState
 
@@ -35,7 +35,7 @@ async def generate(state: HttpState, req: GenerateRequest, request: Request):
     params = native_params(req.sampling_params)
     ids = (G.check_ids(state, req.input_ids, "input_ids") if req.input_ids is not None
            else G.tokenize(state, req.text, "text"))
-    run = G.start(state, [G.Prompt(ids, req.text)], params, req.stream, req.program)
+    run = G.start(state, [G.Prompt(ids, req.text)], params, req.stream, req.program, req.program_call)
     rid = req.rid or next(iter(run.rids))
 
     def body(outs: list[P.Finished]):
@@ -80,6 +80,13 @@ async def health(state: HttpState) -> JSONResponse:
     except ApiError as exc:
         return JSONResponse(exc.body(), status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+def end_program(state: HttpState, req: EndProgramRequest) -> dict[str, Any]:
+    """The program calls no more; nothing to wait for (the engine sends no reply)."""
+    with state.open() as peer:
+        peer.send(P.EndProgram(rid=state.new_rid(), program_id=req.program_id))
+    return {"ok": True}
 
 
 async def flush_cache(state: HttpState) -> dict[str, Any]:

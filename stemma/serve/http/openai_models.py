@@ -64,6 +64,9 @@ class SamplingFields(BaseModel):
     priority: int | None = Field(default=None, ge=-2**31, lt=2**31)
     ttft_slo_ms: float | None = Field(default=None, gt=0)
     itl_slo_ms: float | None = Field(default=None, gt=0)
+    # the program context (stemma.program_call): {program_id, call_index, fork_parent, continues,
+    # pause_s}, checked by ProgramCall
+    program_call: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -108,6 +111,13 @@ class GenerateRequest(BaseModel):
     rid: str | None = Field(default=None, min_length=1, max_length=256)
     salt: str | None = Field(default=None, max_length=256)
     program: str | None = Field(default=None, max_length=256)
+    program_call: dict[str, Any] | None = None
+
+
+class EndProgramRequest(BaseModel):
+    """`/end_program`: the program calls no more (stemma.program_call)."""
+    model_config = ConfigDict(extra="forbid")
+    program_id: str = Field(min_length=1, max_length=256)
 
 
 class TokenizeRequest(BaseModel):

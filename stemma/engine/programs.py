@@ -1,0 +1,202 @@
+"""The programs the engine has had calls from: their service, their pauses, their KV's retention.
+
+A request that carries a ProgramCall (stemma.program_call) is booked on its program's record,
+which its first call makes and every later call (forks included) shares. The record is what the
+program-aware parts read:
+
+- `schedule_policy="program"` (policy.py) orders the waiting queue by the record's attained
+  service: the tokens computed for the program so far (prefill and decode), least first;
+- `radix_eviction="program"` (`eviction_rank`) evicts, in order: the KV of ended programs, then
+  KV whose retention has expired, then KV of no program (least recently used first within each),
+  and last of all the KV of programs that will call again, until its retention expires.
+
+Retention: when a call that `continues` finishes, the program's KV is kept until `keep_until` =
+now + a time-to-live of `RETENTION_FACTOR` x the pause expected before its next call, plus
+`RETENTION_SLACK_S`, at most `program_retention_s`. The pause expected is the larger of the call's
+own hint (`pause_s`) and the longest of the program's recent measured pauses (from a call's finish
+to its next call's arrival, while none ran); a program with neither uses the median of every
+program's recent pauses, and `DEFAULT_PAUSE_S` before any was measured. Retention is a priority
+only: retained KV is still evicted when nothing else is left, and a locked node is never evicted
+(the tree's rule), so retention never blocks a running request.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from stemma.cache.radix_tree import Node
+    from stemma.engine.request import Request
+    from stemma.engine_config import EngineConfig
+
+RETENTION_FACTOR = 1.5
+RETENTION_SLACK_S = 0.1
+DEFAULT_PAUSE_S = 1.0
+RECENT_PAUSES = 8         # measured pauses kept per program
+GLOBAL_PAUSES = 256       # and over all programs
+MAX_RECORDS = 4096        # program records kept; past it, ended or idle ones are dropped first
+RESUMED_SHARE = 0.9       # a call is resumed when this share of its program's last KV is cached
+
+
+@dataclass(eq=False)
+class ProgramRecord:
+    program_id: str
+    first_arrival: float
+    starve_after_s: float     # a call of it waiting longer goes first (policy "program")
+    calls: int = 0
+    in_flight: int = 0        # calls submitted and not finished
+    attained: int = 0         # tokens computed for it so far: its attained service
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    wait_s: float = 0.0       # summed over its calls: arrival to first admission
+    compute_s: float = 0.0    # and first admission to finish
+    last_finish: float | None = None
+    last_kv_len: int = 0      # tokens of KV its last finished call left cached
+    pauses: deque = field(default_factory=lambda: deque(maxlen=RECENT_PAUSES))
+    pause_hint: float | None = None
+    keep_until: float = 0.0   # its cached KV is retained until then (perf_counter time)
+    ended: bool = False
+
+    def as_dict(self) -> dict:
+        prompt = self.prompt_tokens
+        return {"program_id": self.program_id, "calls": self.calls, "in_flight": self.in_flight,
+                "tokens": self.attained, "prompt_tokens": prompt, "cached_tokens": self.cached_tokens,
+                "generated_tokens": self.generated_tokens,
+                "cached_share": self.cached_tokens / prompt if prompt else 0.0,
+                "wait_s": round(self.wait_s, 4), "compute_s": round(self.compute_s, 4),
+                "ended": self.ended}
+
+
+class Programs:
+    """The program records, by program id, least recently used first."""
+
+    def __init__(self, retention_max_s: float, starvation_s: float,
+                 clock: Callable[[], float] = time.perf_counter, max_records: int = MAX_RECORDS):
+        self.retention_max_s = retention_max_s
+        self.starvation_s = starvation_s
+        self.clock = clock
+        self.max_records = max_records
+        self.records: OrderedDict[str, ProgramRecord] = OrderedDict()
+        self.recent_pauses: deque[float] = deque(maxlen=GLOBAL_PAUSES)
+        self.ended_count = 0
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Programs:
+        return cls(config.program_retention_s, config.program_starvation_s)
+
+    def rank(self, config: EngineConfig) -> Callable[[Node], tuple[int, int]] | None:
+        """The radix cache's eviction rank under config.radix_eviction (None: LRU)."""
+        return self.eviction_rank if config.radix_eviction == "program" else None
+
+    # ---- a call's life ----
+    def on_submit(self, req: Request) -> None:
+        """Books a new call of req's program (req.call is set) and attaches the record."""
+        call = req.call
+        now = self.clock()
+        rec = self.records.get(call.program_id)
+        if rec is None:
+            rec = ProgramRecord(call.program_id, req.arrival, self.starvation_s)
+            self.records[call.program_id] = rec
+            self._trim()
+        else:
+            self.records.move_to_end(call.program_id)
+            if rec.in_flight == 0 and rec.last_finish is not None:
+                pause = max(now - rec.last_finish, 0.0)
+                rec.pauses.append(pause)
+                self.recent_pauses.append(pause)
+        rec.calls += 1
+        rec.in_flight += 1
+        if rec.ended:  # a call after EndProgram: the id is live again
+            rec.ended = False
+            self.ended_count -= 1
+        req.program = rec
+
+    def on_admitted(self, req: Request) -> None:
+        """At its first admission: its queue time."""
+        if req.program is not None and req.admit_time is not None:
+            req.program.wait_s += req.admit_time - req.arrival
+
+    def on_computed(self, req: Request, tokens: int) -> None:
+        if req.program is not None:
+            req.program.attained += tokens
+
+    def on_finish(self, req: Request, kv_len: int) -> None:
+        """Its call ended with `kv_len` tokens of KV going to the cache: books it and, when the
+        program continues, sets the retention of the program's KV."""
+        rec = req.program
+        if rec is None:
+            return
+        now = self.clock()
+        rec.in_flight = max(rec.in_flight - 1, 0)
+        rec.prompt_tokens += len(req.input_ids)
+        rec.cached_tokens += req.cached_tokens
+        rec.generated_tokens += len(req.output_ids)
+        if req.admit_time is not None:
+            rec.compute_s += now - req.admit_time
+        rec.last_finish = now
+        rec.last_kv_len = max(rec.last_kv_len, kv_len) if rec.in_flight else kv_len
+        if req.call.pause_s is not None:
+            rec.pause_hint = req.call.pause_s
+        if req.call.continues:
+            rec.keep_until = now + self.ttl(rec)
+        elif rec.in_flight == 0:
+            self._end(rec)
+
+    def end(self, program_id: str) -> None:
+        """The program calls no more (EndProgram); unknown ids are ignored."""
+        rec = self.records.get(program_id)
+        if rec is not None:
+            self._end(rec)
+
+    # ---- retention ----
+    def ttl(self, rec: ProgramRecord) -> float:
+        """Seconds to keep rec's KV after a call: see the module docstring."""
+        expected = max([rec.pause_hint or 0.0, *rec.pauses])
+        if rec.pause_hint is None and not rec.pauses:
+            expected = statistics.median(self.recent_pauses) if self.recent_pauses else DEFAULT_PAUSE_S
+        return min(RETENTION_FACTOR * expected + RETENTION_SLACK_S, self.retention_max_s)
+
+    def eviction_rank(self, node: Node) -> tuple[int, int]:
+        """Eviction order (lowest first) of an unlocked leaf under radix_eviction="program"."""
+        rec = node.owner
+        if rec is None:
+            return 2, node.last_access
+        if rec.ended:
+            return 0, node.last_access
+        if rec.in_flight or rec.keep_until > self.clock():
+            return 3, node.last_access
+        return 1, node.last_access
+
+    @staticmethod
+    def resumed(req: Request, cached: int) -> bool:
+        """Whether req continues its program with the program's last KV still cached."""
+        rec = req.program
+        return rec is not None and rec.last_kv_len > 0 and cached >= RESUMED_SHARE * rec.last_kv_len
+
+    # ---- stats ----
+    def stats(self, limit: int = 32) -> dict:
+        """Counts, and the `limit` most recently active programs' records."""
+        live = [r for r in self.records.values() if not r.ended]
+        recent = list(self.records.values())[-limit:][::-1]
+        return {"programs_live": len(live), "programs_ended": self.ended_count,
+                "programs_retained": sum(1 for r in live if r.in_flight == 0 and r.keep_until > self.clock()),
+                "programs": [r.as_dict() for r in recent]}
+
+    def _end(self, rec: ProgramRecord) -> None:
+        if not rec.ended:
+            rec.ended = True
+            self.ended_count += 1
+
+    def _trim(self) -> None:
+        """Drops records past max_records: ended or idle ones first, oldest first. A dropped
+        record counts as ended (the nodes that still point to it evict first)."""
+        excess = len(self.records) - self.max_records
+        if excess <= 0:
+            return
+        idle = [pid for pid, r in self.records.items() if r.ended or r.in_flight == 0][:excess]
+        for pid in idle:
+            self._end(self.records.pop(pid))
