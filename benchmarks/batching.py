@@ -14,11 +14,24 @@ throughput (generated tokens/s) and TTFT p50/p99 per mode (the round with the me
 throughput), the continuous/static ratio of every round, and writes a PNG plot.
 
     python benchmarks/batching.py [--requests 64] [--max-batch 16] [--rounds 2] [--png benchmarks/batching.png]
+
+With --program-check it runs instead, per workload and in turns, continuous batching with the
+radix cache under schedule_policy="fcfs", radix_eviction="lru" and under "program", "program"
+(issue 19). The requests carry no program context, so the program policy must order them as
+fcfs does and the program eviction rank must evict as LRU does: it prints both throughputs, their
+ratio per round, and whether every output was the same. Both engines have the one-row decode
+compile off (in auto, each would compile in the background when its own count of one-row steps
+came, in one engine's turn and not the other's, and compiled and eager forwards round apart) and
+speculation off (its draft lengths follow measured step times, so the verify batches, and with
+them bf16's rounding, differ from run to run); the two go first in turn.
+
+    python benchmarks/batching.py --program-check [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,6 +68,7 @@ def run(engine, reqs_spec) -> dict:
     tokens = sum(len(r.output_ids) for r in reqs)
     engine.check_pool_whole()
     return {"throughput": tokens / wall, "wall": wall, "tokens": tokens,
+            "outputs": [list(r.output_ids) for r in reqs],
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "cached": sum(r.cached_tokens for r in reqs), "prompt": sum(len(r.input_ids) for r in reqs)}
 
@@ -79,6 +93,37 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+PROGRAM_CHECK = {"fcfs-lru": dict(schedule_policy="fcfs", radix_eviction="lru"),
+                 "program": dict(schedule_policy="program", radix_eviction="program")}
+
+
+def program_check(args) -> None:
+    import stemma
+    warm = [(ids, 4) for ids, _ in workload("mixed-uniform", 4, seed=99)]
+    engines = {}
+    for name, options in PROGRAM_CHECK.items():  # both in memory: they take turns every round
+        engines[name] = e = stemma.Engine(max_running_requests=args.max_batch, kv_pool_tokens=32768,
+                                          chunked_prefill_size=1024, compile_decode="off",
+                                          speculative="none", **options)
+        run(e, warm)
+    rows, same = [], True
+    for w in args.workloads:
+        spec = workload(w, args.requests, prompt=(args.prompt_min, args.prompt_max))
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for rnd in range(args.rounds):
+            for name in list(engines)[::1 if rnd % 2 == 0 else -1]:  # each goes first in turn
+                runs[name].append(run(engines[name], spec))
+            same &= runs["fcfs-lru"][-1]["outputs"] == runs["program"][-1]["outputs"]
+        ratios = [p["throughput"] / f["throughput"] for f, p in zip(runs["fcfs-lru"], runs["program"])]
+        rows.append([w, statistics.median(r["throughput"] for r in runs["fcfs-lru"]),
+                     statistics.median(r["throughput"] for r in runs["program"]),
+                     ", ".join(f"{x:.3f}" for x in ratios), f"{statistics.median(ratios):.3f}"])
+    print(f"\ndefault model, {args.requests} requests per workload, max batch {args.max_batch}, "
+          f"{args.rounds} rounds, requests without program context")
+    print(table(["workload", "fcfs-lru tok/s", "program tok/s", "program / fcfs-lru per round", "median"], rows))
+    print(f"outputs identical in every round: {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
@@ -88,7 +133,12 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=64)
     ap.add_argument("--workloads", nargs="+", default=["mixed-uniform", "mixed-longtail", "shared-prefix"])
     ap.add_argument("--png", default=str(Path(__file__).with_name("batching.png")))
+    ap.add_argument("--program-check", action="store_true",
+                    help="fcfs + LRU vs the program policy and eviction on requests without program context")
     args = ap.parse_args()
+    if args.program_check:
+        program_check(args)
+        return
 
     import stemma
     warm = [(ids, 4) for ids, _ in workload("mixed-uniform", 4, seed=99)]

@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "SamplingParams": ("stemma.sampling_params", "SamplingParams"),
+    "ProgramCall": ("stemma.program_call", "ProgramCall"),
     "Engine": ("stemma.engine.engine", "Engine"),
     "EngineConfig": ("stemma.engine_config", "EngineConfig"),
     "RequestOutput": ("stemma.outputs", "RequestOutput"),

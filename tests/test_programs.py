@@ -11,7 +11,7 @@ from hypothesis.stateful import precondition, rule
 from stemma import protocol as P
 from stemma.cache.radix_tree import RadixTree
 from stemma.engine import policy
-from stemma.engine.programs import DEFAULT_PAUSE_S, RETENTION_FACTOR, RETENTION_SLACK_S, Programs
+from stemma.engine.programs import DEFAULT_PAUSE_S, RETENTION_FACTOR, RETENTION_SLACK_S, Programs, RetentionGuard
 from stemma.engine.request import Request
 from stemma.program_call import ProgramCall
 from stemma.sampling_params import SamplingParams
@@ -150,11 +150,56 @@ def test_eviction_rank_orders_ended_then_expired_then_plain_then_retained():
     while tree.total_size:
         order.append(int(tree.evict(1, programs.eviction_rank)[0]) // 2)
     assert order == [4, 2, 3, 1, 5]
-    # a split leaves the upper part without an owner: it is shared now
+    # a split keeps the owner on both parts; a hit by another owner makes the path shared
     tree.insert([7, 7, 7], torch.tensor([20, 21, 22]), owner=retained.program)
-    tree.match_prefix([7, 7, 1])
-    upper = tree.roots()[None].children[7]
-    assert upper.owner is None and next(iter(upper.children.values())).owner is retained.program
+    node = tree.match_prefix([7, 7, 1]).node
+    lower = next(iter(node.children.values()))
+    assert node.owner is lower.owner is retained.program
+    tree.record_hit(node, retained.program)
+    assert node.owner is retained.program
+    tree.record_hit(node, expired.program)
+    assert node.owner is None and lower.owner is retained.program
+
+
+def test_retained_kv_goes_first_for_the_program_expected_back_last_and_in_flight_last():
+    clock = Clock()
+    programs = Programs(retention_max_s=30.0, starvation_s=5.0, clock=clock)
+    tree = RadixTree()
+    soon, late, back = (call_req(programs, p, pause_s=pause) for p, pause in
+                        (("soon", 0.2), ("late", 5.0), ("back", 5.0)))
+    for req in (soon, late, back):
+        programs.on_finish(req, kv_len=2)
+    call_req(programs, "back", 1)  # its next call is queued: its KV is needed now
+    for first, req in ((1, back), (2, soon), (3, late)):
+        tree.insert([first, 0], torch.tensor([2 * first, 2 * first + 1]), owner=req.program)
+    order = [int(tree.evict(1, programs.eviction_rank)[0]) // 2 for _ in range(3)]
+    assert order == [3, 2, 1]
+
+
+def test_the_retention_guard_defers_new_work_that_would_evict_retained_kv():
+    clock = Clock()
+    programs = Programs(retention_max_s=30.0, starvation_s=5.0, clock=clock)
+    tree = RadixTree()
+    paused = call_req(programs, "paused", prompt=range(8), pause_s=5.0)
+    programs.on_finish(paused, kv_len=8)
+    tree.insert(list(range(8)), torch.arange(8), owner=paused.program)
+    guard = RetentionGuard(programs, tree, available=4)
+    assert guard.retained == {id(paused.program): 8} and guard.free == 4
+    small = call_req(programs, "small", prompt=[50, 51, 52])
+    big = call_req(programs, "big", prompt=[60, 61, 62, 63])
+    assert not guard.defers(small, cached=0) and guard.free == 1  # it fits in the free slots
+    assert guard.defers(big, cached=0)                            # it would evict the paused KV
+    resumed = call_req(programs, "paused", 1, prompt=list(range(8)) + [70, 71])
+    assert not guard.defers(resumed, cached=8)                    # its own KV: it goes on
+    starved = call_req(programs, "old", prompt=[80, 81, 82, 83], arrival=clock.now - 6.0)
+    assert not guard.defers(starved, cached=0)                    # waited past the bound
+    # each call adds KV to its program: the active programs' next growth is held back too
+    nxt = call_req(programs, "small", 1, prompt=[50, 51, 52, 53, 54, 55])
+    programs.on_finish(small, kv_len=3)
+    programs.on_finish(nxt, kv_len=9)
+    assert programs.growth() == 6
+    assert programs.active() == 4  # paused (retained), small (retained), big and old (queued)
+    assert RetentionGuard(programs, tree, available=40).free == 40 + 8 - 8 - 4 * 6
 
 
 # ---- the policy ----

@@ -53,10 +53,10 @@ class RadixCache:
             return self.tree.match_prefix((), salt)
         return self.tree.match_prefix(token_ids, salt)
 
-    def record_hit(self, node: Node) -> None:
-        """Counts one request reusing the cached prefix that ends at `node` (see
+    def record_hit(self, node: Node, owner: object | None = None) -> None:
+        """Counts one request (of `owner`) reusing the cached prefix that ends at `node` (see
         `RadixTree.record_hit`); the engine calls it once per request, at its first admission."""
-        self.tree.record_hit(node)
+        self.tree.record_hit(node, owner)
 
     def lock(self, node: Node) -> None:
         self.tree.inc_lock(node)

@@ -167,11 +167,14 @@ class RadixTree:
             self.version = next(_VERSIONS)
         return present
 
-    def record_hit(self, node: Node) -> None:
+    def record_hit(self, node: Node, owner: object | None = None) -> None:
         """Counts one hit on `node` and each of its ancestors below the root: one request reused
-        the prefix that ends at `node`. A root counts nothing."""
+        the prefix that ends at `node`. A root counts nothing. A node on the path whose owner is
+        not the request's `owner` is shared from now on: its owner becomes None."""
         while not node.is_root:
             node.hits += 1
+            if node.owner is not owner:
+                node.owner = None
             node = node.parent
 
     def inc_lock(self, node: Node) -> None:
@@ -330,14 +333,15 @@ class RadixTree:
 
         `node` keeps its identity (and depth) as the lower part, so callers holding it still hold
         the same prefix. The upper part inherits the lock count and the hit count: every lock and
-        every recorded hit through `node` passes through it. It has no owner: a second key reached
-        into the edge, so its tokens are (or may be) shared.
+        every recorded hit through `node` passes through it, and its owner: the tokens were inserted
+        together (a request of another owner that reuses them makes them shared: record_hit).
         """
         parent = node.parent
         upper = Node(node.key[:at], node.value[:at], parent, node.salt)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.hits = node.hits
+        upper.owner = node.owner
         parent.children[upper.key[0]] = upper
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
         upper.children[node.key[0]] = node

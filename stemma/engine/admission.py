@@ -89,7 +89,7 @@ class Admission:
             self.counters.prompt_tokens += len(req.input_ids)
             self.counters.cached_tokens += len(slots)
             if len(slots):  # it reuses the cached prefix ending at node: a hit along its path
-                self.cache.record_hit(node)
+                self.cache.record_hit(node, req.program)
             req.admitted_once = True
             req.admit_time = time.perf_counter()
         req.state = ReqState.RUNNING

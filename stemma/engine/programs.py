@@ -8,7 +8,15 @@ program-aware parts read:
   service: the tokens computed for the program so far (prefill and decode), least first;
 - `radix_eviction="program"` (`eviction_rank`) evicts, in order: the KV of ended programs, then
   KV whose retention has expired, then KV of no program (least recently used first within each),
-  and last of all the KV of programs that will call again, until its retention expires.
+  and last of all the KV of programs that will call again, until its retention expires: of
+  those, first the program expected back last, and last those with a call in flight (as KVFlow
+  orders by steps until reuse, where LRU would evict the program paused longest, the one most
+  likely back soonest);
+- with both, admission respects retention (`RetentionGuard`): while other requests run, a
+  waiting request that would have to evict KV retained for other programs, or take the room the
+  active programs' next calls are expected to grow into, waits, unless it resumes its own program
+  or has starved. Running requests are never held back by it: their growth evicts retained KV,
+  last.
 
 Retention: when a call that `continues` finishes, the program's KV is kept until `keep_until` =
 now + a time-to-live of `RETENTION_FACTOR` x the pause expected before its next call, plus
@@ -21,14 +29,15 @@ only: retained KV is still evicted when nothing else is left, and a locked node 
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from stemma.cache.radix_tree import Node
+    from stemma.cache.radix_tree import Node, RadixTree
     from stemma.engine.request import Request
     from stemma.engine_config import EngineConfig
 
@@ -82,6 +91,7 @@ class Programs:
         self.max_records = max_records
         self.records: OrderedDict[str, ProgramRecord] = OrderedDict()
         self.recent_pauses: deque[float] = deque(maxlen=GLOBAL_PAUSES)
+        self.recent_growth: deque[int] = deque(maxlen=GLOBAL_PAUSES)  # KV tokens a program adds per call
         self.ended_count = 0
 
     @classmethod
@@ -138,6 +148,8 @@ class Programs:
         if req.admit_time is not None:
             rec.compute_s += now - req.admit_time
         rec.last_finish = now
+        if rec.last_kv_len and kv_len > rec.last_kv_len:
+            self.recent_growth.append(kv_len - rec.last_kv_len)
         rec.last_kv_len = max(rec.last_kv_len, kv_len) if rec.in_flight else kv_len
         if req.call.pause_s is not None:
             rec.pause_hint = req.call.pause_s
@@ -160,16 +172,29 @@ class Programs:
             expected = statistics.median(self.recent_pauses) if self.recent_pauses else DEFAULT_PAUSE_S
         return min(RETENTION_FACTOR * expected + RETENTION_SLACK_S, self.retention_max_s)
 
-    def eviction_rank(self, node: Node) -> tuple[int, int]:
-        """Eviction order (lowest first) of an unlocked leaf under radix_eviction="program"."""
+    def eviction_rank(self, node: Node) -> tuple[int, float]:
+        """Eviction order (lowest first) of an unlocked leaf under radix_eviction="program".
+        Retained KV goes last, and among it first the KV whose program is expected back last
+        (its retention ends last); a program with a call in flight is needed now."""
         rec = node.owner
         if rec is None:
             return 2, node.last_access
         if rec.ended:
             return 0, node.last_access
-        if rec.in_flight or rec.keep_until > self.clock():
-            return 3, node.last_access
+        if rec.in_flight:
+            return 3, math.inf
+        if rec.keep_until > self.clock():
+            return 3, -rec.keep_until
         return 1, node.last_access
+
+    def active(self) -> int:
+        """Programs running a call or paused with their KV retained."""
+        now = self.clock()
+        return sum(1 for r in self.records.values() if not r.ended and (r.in_flight or r.keep_until > now))
+
+    def growth(self) -> float:
+        """The mean KV tokens a program's call adds to its context (0 before any is measured)."""
+        return statistics.fmean(self.recent_growth) if self.recent_growth else 0.0
 
     @staticmethod
     def resumed(req: Request, cached: int) -> bool:
@@ -200,3 +225,32 @@ class Programs:
         idle = [pid for pid, r in self.records.items() if r.ended or r.in_flight == 0][:excess]
         for pid in idle:
             self._end(self.records.pop(pid))
+
+
+class RetentionGuard:
+    """One step's admission check against retained KV (module docstring). `free` is what
+    admissions may take without evicting retained KV: free slots plus evictable tokens not
+    retained, less the growth the active programs' next calls are expected to add (one mean
+    growth each); each admission it lets through takes its uncached tokens from it."""
+
+    def __init__(self, programs: Programs, tree: RadixTree, available: int):
+        self.programs = programs
+        self.retained: dict[int, int] = defaultdict(int)  # id(program record) -> its retained tokens
+        for node in tree.nodes():
+            if node.lock_ref == 0 and node.owner is not None and programs.eviction_rank(node)[0] == 3:
+                self.retained[id(node.owner)] += len(node.key)
+        headroom = programs.active() * programs.growth()
+        self.free = available + tree.evictable_size - sum(self.retained.values()) - headroom
+
+    def defers(self, req: Request, cached: int) -> bool:
+        """Whether req waits this step; a request let through counts against `free`."""
+        if not self.retained:
+            return False
+        need = len(req.tokens) - cached
+        rec = req.program
+        exempt = rec is not None and (Programs.resumed(req, cached)
+                                      or self.programs.clock() - req.arrival > rec.starve_after_s)
+        if not exempt and need > self.free:
+            return True
+        self.free -= need
+        return False

@@ -46,7 +46,7 @@ from stemma.engine.admission import Admission
 from stemma.engine.counters import Counters
 from stemma.engine.plan import StepPlan
 from stemma.engine.prefix_match import PrefixMatches
-from stemma.engine.programs import Programs
+from stemma.engine.programs import Programs, RetentionGuard
 from stemma.engine.request import ReqState, Request
 from stemma.engine.retraction import Retraction
 from stemma.engine.slo import MIN_CHUNK, Slo, victims
@@ -347,6 +347,7 @@ class Scheduler:
         if self.target is not None or self.slo.in_play(ordered):
             ordered = self.slo.order(ordered)
         continuous = self.config.batching == "continuous"
+        guard = self._retention_guard()
         # requests whose prompt KV is being computed now; a waiting request that shares a long
         # uncached prefix with one of them waits a step and then reads that prefix from the cache
         computing = [r for r in self.running if r.kv_len < len(r.input_ids)]
@@ -356,6 +357,8 @@ class Scheduler:
             if continuous and self._shares_uncached_prefix(req, computing):
                 continue
             if not self._admit_fits(plan, req):
+                continue
+            if guard is not None and guard.defers(req, self.matches.length_and_node(req)[0]):
                 continue
             budget = admission.budget
             if self.target is not None:  # this admission's chunk kept within the step's target
@@ -380,6 +383,14 @@ class Scheduler:
             logger.debug("admitted %s: %d cached, %d new this step", req.rid, req.kv_len, n)
             if n:
                 plan.add(req, n)
+
+    def _retention_guard(self) -> RetentionGuard | None:
+        """The program policy's check against evicting retained KV (engine.programs), while
+        something runs (so that a deferred request is looked at again next step)."""
+        cfg = self.config
+        if cfg.schedule_policy != "program" or cfg.radix_eviction != "program" or not self.running:
+            return None
+        return RetentionGuard(self.programs, self.cache.tree, self.cache.allocator.available)
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
         if not self.cache.enabled or not computing:
