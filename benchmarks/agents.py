@@ -57,7 +57,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -245,20 +245,10 @@ async def drive(backend: EngineBackend, work: Workload, gen_tokens: int) -> dict
             "working_set": peak, "largest_call": largest[0]}
 
 
-def engine_options(name: str) -> dict:
-    """The config's EngineConfig fields. radix_eviction="lru" is the default, so it is left out on
-    an engine that does not have the field yet (the baseline then runs as it always did)."""
-    from stemma.engine_config import EngineConfig
-    options = dict(CONFIGS[name])
-    if options["radix_eviction"] == "lru" and "radix_eviction" not in {f.name for f in fields(EngineConfig)}:
-        del options["radix_eviction"]
-    return options
-
-
 def run(name: str, pool: int, work: Workload, args) -> dict:
     # compile_decode off: its background compile would take a core during some runs and not others
     options = {"kv_pool_tokens": pool, "random_seed": args.seed, "max_running_requests": args.max_running,
-               "compile_decode": "off", **engine_options(name)}
+               "compile_decode": "off", **CONFIGS[name]}
     if args.model:
         options["model"] = args.model
     backend = EngineBackend(**options)
