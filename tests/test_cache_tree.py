@@ -240,7 +240,7 @@ def test_under_kv_pressure_each_request_counts_at_most_one_hit(folder, monkeypat
                            max_running_requests=6, chunked_prefill_size=16)
     recorded = []
     record_hit = engine.cache.record_hit
-    monkeypatch.setattr(engine.cache, "record_hit", lambda node: (recorded.append(node.depth), record_hit(node)))
+    monkeypatch.setattr(engine.cache, "record_hit", lambda node, owner=None: (recorded.append(node.depth), record_hit(node, owner)))
     engine.generate(SHARED + [49], SHORT)
     params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
     outs = engine.generate([SHARED + [50 + i, 60 + i] for i in range(6)], params)
