@@ -67,6 +67,11 @@ def test_generate_carries_the_program_context_from_version_2():
         assert err.value.rid == "r"
     end = P.EndProgram(rid="e", program_id="agent-7")
     assert P.decode(P.encode(end), P.CLIENT_REQUESTS) == end
+    # what carries no program context goes out at version 1, as a version-1 side expects it
+    plain = msgpack.unpackb(P.encode(P.GenerateReq(rid="r", input_ids=[1])))
+    assert plain["version"] == 1 and "call" not in plain
+    assert msgpack.unpackb(P.encode(P.HealthOk(rid="h")))["version"] == 1
+    assert msgpack.unpackb(P.encode(end))["version"] == msgpack.unpackb(P.encode(msg))["version"] == 2
 
 
 # ---- the records ----
@@ -184,22 +189,35 @@ def test_the_retention_guard_defers_new_work_that_would_evict_retained_kv():
     programs.on_finish(paused, kv_len=8)
     tree.insert(list(range(8)), torch.arange(8), owner=paused.program)
     guard = RetentionGuard(programs, tree, available=4)
-    assert guard.retained == {id(paused.program): 8} and guard.free == 4
+    assert guard.retained is None  # measured at its first check
     small = call_req(programs, "small", prompt=[50, 51, 52])
     big = call_req(programs, "big", prompt=[60, 61, 62, 63])
-    assert not guard.defers(small, cached=0) and guard.free == 1  # it fits in the free slots
-    assert guard.defers(big, cached=0)                            # it would evict the paused KV
+    assert guard.fits(small, cached=0) and guard.retained == {id(paused.program): 8} and guard.free == 4
+    guard.take(small, cached=0)
+    assert guard.free == 1
+    assert not guard.fits(big, cached=0)                         # it would evict the paused KV
     resumed = call_req(programs, "paused", 1, prompt=list(range(8)) + [70, 71])
-    assert not guard.defers(resumed, cached=8)                    # its own KV: it goes on
+    assert guard.fits(resumed, cached=8)                         # its own KV: it goes on
     starved = call_req(programs, "old", prompt=[80, 81, 82, 83], arrival=clock.now - 6.0)
-    assert not guard.defers(starved, cached=0)                    # waited past the bound
+    assert guard.fits(starved, cached=0)                         # waited past the bound
+    plain = Request(rid="plain", input_ids=[90, 91, 92, 93], params=SamplingParams())
+    plain.arrival = clock.now - 6.0
+    assert guard.fits(plain, cached=0)                           # so does a request of no program
+    plain.arrival = clock.now
+    assert not guard.fits(plain, cached=0)
     # each call adds KV to its program: the active programs' next growth is held back too
     nxt = call_req(programs, "small", 1, prompt=[50, 51, 52, 53, 54, 55])
     programs.on_finish(small, kv_len=3)
     programs.on_finish(nxt, kv_len=9)
     assert programs.growth() == 6
     assert programs.active() == 4  # paused (retained), small (retained), big and old (queued)
-    assert RetentionGuard(programs, tree, available=40).free == 40 + 8 - 8 - 4 * 6
+    fresh = RetentionGuard(programs, tree, available=40)
+    fresh.fits(big, cached=0)
+    assert fresh.free == 40 + 8 - 8 - 4 * 6
+    # a call that never ran leaves the program's last KV as it was
+    aborted = call_req(programs, "small", 2)
+    programs.on_finish(aborted, kv_len=0)
+    assert small.program.last_kv_len == 9
 
 
 # ---- the policy ----

@@ -598,7 +598,7 @@ class HttpClient:
         if stream is not None:
             stream._abort()
 
-    def end_program(self, program_id: str, timeout: float | None = 30.0) -> None:
+    def end_program(self, program_id: str, timeout: float | None = 5.0) -> None:
         """Tells the server that program `program_id` calls no more (stemma.program_call)."""
         self._request("POST", "/end_program", timeout, {"program_id": program_id})
 
@@ -648,7 +648,7 @@ class HttpClient:
             if isinstance(stream, AsyncHttpStream):
                 await stream.aclose()
 
-    async def aend_program(self, program_id: str, timeout: float | None = 30.0) -> None:
+    async def aend_program(self, program_id: str, timeout: float | None = 5.0) -> None:
         await self._aclient().request("POST", "/end_program", timeout, {"program_id": program_id})
 
     async def aflush_cache(self, timeout: float | None = 30.0) -> bool:

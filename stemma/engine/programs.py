@@ -98,7 +98,7 @@ class Programs:
     def of(cls, config: EngineConfig) -> Programs:
         return cls(config.program_retention_s, config.program_starvation_s)
 
-    def rank(self, config: EngineConfig) -> Callable[[Node], tuple[int, int]] | None:
+    def rank(self, config: EngineConfig) -> Callable[[Node], tuple[int, float]] | None:
         """The radix cache's eviction rank under config.radix_eviction (None: LRU)."""
         return self.eviction_rank if config.radix_eviction == "program" else None
 
@@ -109,9 +109,9 @@ class Programs:
         now = self.clock()
         rec = self.records.get(call.program_id)
         if rec is None:
+            self._trim(room=1)
             rec = ProgramRecord(call.program_id, req.arrival, self.starvation_s)
             self.records[call.program_id] = rec
-            self._trim()
         else:
             self.records.move_to_end(call.program_id)
             if rec.in_flight == 0 and rec.last_finish is not None:
@@ -141,16 +141,18 @@ class Programs:
         if rec is None:
             return
         now = self.clock()
-        rec.in_flight = max(rec.in_flight - 1, 0)
+        assert rec.in_flight > 0, f"program {rec.program_id}: a call finished twice"
+        rec.in_flight -= 1
         rec.prompt_tokens += len(req.input_ids)
         rec.cached_tokens += req.cached_tokens
         rec.generated_tokens += len(req.output_ids)
         if req.admit_time is not None:
             rec.compute_s += now - req.admit_time
         rec.last_finish = now
-        if rec.last_kv_len and kv_len > rec.last_kv_len:
-            self.recent_growth.append(kv_len - rec.last_kv_len)
-        rec.last_kv_len = max(rec.last_kv_len, kv_len) if rec.in_flight else kv_len
+        if kv_len:  # a call that never ran (aborted while waiting) leaves the last KV as it was
+            if rec.last_kv_len and kv_len > rec.last_kv_len:
+                self.recent_growth.append(kv_len - rec.last_kv_len)
+            rec.last_kv_len = max(rec.last_kv_len, kv_len) if rec.in_flight else kv_len
         if req.call.pause_s is not None:
             rec.pause_hint = req.call.pause_s
         if req.call.continues:
@@ -196,6 +198,11 @@ class Programs:
         """The mean KV tokens a program's call adds to its context (0 before any is measured)."""
         return statistics.fmean(self.recent_growth) if self.recent_growth else 0.0
 
+    def starved(self, req: Request) -> bool:
+        """Whether req has waited past the starvation bound (its program's, or the engine's)."""
+        bound = req.program.starve_after_s if req.program is not None else self.starvation_s
+        return self.clock() - req.arrival > bound
+
     @staticmethod
     def resumed(req: Request, cached: int) -> bool:
         """Whether req continues its program with the program's last KV still cached."""
@@ -216,10 +223,10 @@ class Programs:
             rec.ended = True
             self.ended_count += 1
 
-    def _trim(self) -> None:
-        """Drops records past max_records: ended or idle ones first, oldest first. A dropped
-        record counts as ended (the nodes that still point to it evict first)."""
-        excess = len(self.records) - self.max_records
+    def _trim(self, room: int = 0) -> None:
+        """Drops records past max_records less `room`: ended or idle ones, oldest first. A
+        dropped record counts as ended (the nodes that still point to it evict first)."""
+        excess = len(self.records) + room - self.max_records
         if excess <= 0:
             return
         idle = [pid for pid, r in self.records.items() if r.ended or r.in_flight == 0][:excess]
@@ -231,26 +238,35 @@ class RetentionGuard:
     """One step's admission check against retained KV (module docstring). `free` is what
     admissions may take without evicting retained KV: free slots plus evictable tokens not
     retained, less the growth the active programs' next calls are expected to add (one mean
-    growth each); each admission it lets through takes its uncached tokens from it."""
+    growth each). Made on the first check of the step (a step that checks nothing walks no tree);
+    each admission takes its uncached tokens from `free`."""
 
     def __init__(self, programs: Programs, tree: RadixTree, available: int):
         self.programs = programs
-        self.retained: dict[int, int] = defaultdict(int)  # id(program record) -> its retained tokens
-        for node in tree.nodes():
-            if node.lock_ref == 0 and node.owner is not None and programs.eviction_rank(node)[0] == 3:
-                self.retained[id(node.owner)] += len(node.key)
-        headroom = programs.active() * programs.growth()
-        self.free = available + tree.evictable_size - sum(self.retained.values()) - headroom
+        self.tree = tree
+        self.available = available
+        self.retained: dict[int, int] | None = None  # id(program record) -> its retained tokens
+        self.free = 0.0
 
-    def defers(self, req: Request, cached: int) -> bool:
-        """Whether req waits this step; a request let through counts against `free`."""
+    def fits(self, req: Request, cached: int) -> bool:
+        """Whether req may be admitted now: it resumes its own program, has starved, or needs no
+        more than `free`."""
+        if self.retained is None:
+            self._measure()
         if not self.retained:
-            return False
-        need = len(req.tokens) - cached
-        rec = req.program
-        exempt = rec is not None and (Programs.resumed(req, cached)
-                                      or self.programs.clock() - req.arrival > rec.starve_after_s)
-        if not exempt and need > self.free:
             return True
-        self.free -= need
-        return False
+        exempt = Programs.resumed(req, cached) or self.programs.starved(req)
+        return exempt or len(req.tokens) - cached <= self.free
+
+    def take(self, req: Request, cached: int) -> None:
+        """req was admitted: its uncached tokens are taken."""
+        self.free -= len(req.tokens) - cached
+
+    def _measure(self) -> None:
+        retained: dict[int, int] = defaultdict(int)
+        for node in self.tree.nodes():
+            if node.lock_ref == 0 and node.owner is not None and self.programs.eviction_rank(node)[0] == 3:
+                retained[id(node.owner)] += len(node.key)
+        headroom = self.programs.active() * self.programs.growth()
+        self.free = self.available + self.tree.evictable_size - sum(retained.values()) - headroom
+        self.retained = retained

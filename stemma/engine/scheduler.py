@@ -102,14 +102,14 @@ class Scheduler:
                              f"{self.max_context} tokens")
         spec = self.constrainer.check(req.params) if req.params.is_constrained else None
         req.state = ReqState.WAITING
-        if req.call is not None and req.program is None:
-            self.programs.on_submit(req)
         if spec is None:
             self.waiting.append(req)
         else:
             future = self.constrainer.start(spec)
             future.add_done_callback(lambda _: self._wake.set())
             self.grammar_queue.append((req, future))
+        if req.call is not None and req.program is None:  # once queued: a retracted one comes back
+            self.programs.on_submit(req)
         self._wake.set()
         logger.debug("queued %s: %d prompt tokens%s", req.rid, len(req.input_ids),
                      ", constrained" if spec is not None else "")
@@ -358,7 +358,7 @@ class Scheduler:
                 continue
             if not self._admit_fits(plan, req):
                 continue
-            if guard is not None and guard.defers(req, self.matches.length_and_node(req)[0]):
+            if guard is not None and not guard.fits(req, self.matches.length_and_node(req)[0]):
                 continue
             budget = admission.budget
             if self.target is not None:  # this admission's chunk kept within the step's target
@@ -377,6 +377,8 @@ class Scheduler:
                 continue
             if first:
                 self.programs.on_admitted(req)
+            if guard is not None:
+                guard.take(req, req.kv_len)
             self.waiting.remove(req)
             admission.take(n)
             computing.append(req)

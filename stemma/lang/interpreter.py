@@ -29,7 +29,7 @@ from stemma.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, 
 from stemma.lang.scoring import decide
 from stemma.lang.suspend import post
 from stemma.lang.usage import CallRecord
-from stemma.program_call import ProgramCall
+from stemma.program_call import MAX_PAUSE_S, ProgramCall
 from stemma.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -153,9 +153,10 @@ class Run:
             CURRENT_CALL.reset(token)
 
     def pause_hint(self) -> float | None:
-        """The mean of the program's finished tool calls, in seconds; None before any."""
+        """The mean of the program's finished tool calls, in seconds (at most what a ProgramCall
+        takes); None before any."""
         done = [c.seconds for c in self.tool_calls if c.seconds is not None]
-        return statistics.fmean(done) if done else None
+        return min(statistics.fmean(done), MAX_PAUSE_S) if done else None
 
     async def end(self) -> None:
         """Tells the backend that the program calls no more (when it made any call)."""

@@ -1,6 +1,7 @@
 """The one msgpack codec that carries every message (see messages): `encode`, `decode`.
 
-A frame is one msgpack map: {"type": tag, "version": PROTOCOL_VERSION, <fields>}. `decode`
+A frame is one msgpack map: {"type": tag, "version": v, <fields>} (v: the lowest version that
+carries the message, see messages). `decode`
 checks the size, the msgpack itself, the tag, the version and every field's type, and raises
 `ProtocolError` (with the request id when one could be read) for anything malformed. Nothing is
 ever pickled.
@@ -45,9 +46,15 @@ def _plain(value: Any) -> Any:
 
 
 def to_wire(msg: Message) -> dict[str, Any]:
+    """The message's map, at the lowest version that carries it (Message.wire_version), without
+    the later fields it leaves unset."""
     out = {"type": msg.TAG}
     for name in _hints(type(msg)):
-        out[name] = _plain(getattr(msg, name))
+        value = getattr(msg, name)
+        if value is None and name in msg.FIELDS_SINCE:
+            continue
+        out[name] = _plain(value)
+    out["version"] = msg.wire_version()
     return out
 
 

@@ -7,9 +7,12 @@
 Between the client and the gateway a message travels as two frames, [api key, body];
 between the gateway and the engine, as the body alone.
 
-Versions: a message carries the version its sender speaks. Version 2 added the program context
-(GenerateReq.call, EndProgram); this side reads versions MIN_PROTOCOL_VERSION to PROTOCOL_VERSION,
-and a message or field newer than the version it claims is refused.
+Versions: version 2 added the program context (GenerateReq.call, EndProgram). This side reads
+versions MIN_PROTOCOL_VERSION to PROTOCOL_VERSION and refuses a message or field newer than the
+version it claims. It writes each message at the lowest version that carries it
+(`wire_version`), without the newer fields it leaves unset, so a side that speaks only version 1
+reads everything but the program context. `version` is what the message was read at; equality
+ignores it.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ class Message:
     """Base of every message; `TAG` names it on the wire."""
     TAG: ClassVar[str] = ""
     SINCE: ClassVar[int] = 1  # the protocol version that added this message
-    version: int = PROTOCOL_VERSION
+    FIELDS_SINCE: ClassVar[dict[str, int]] = {}  # later fields (None when unset) -> their version
+    version: int = field(default=PROTOCOL_VERSION, compare=False)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -70,9 +74,17 @@ class Message:
                              f"versions {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION})")
         if self.version < self.SINCE:
             raise ValueError(f"a {self.TAG!r} message needs protocol version {self.SINCE} or later")
+        for name, since in self.FIELDS_SINCE.items():
+            if getattr(self, name) is not None and self.version < since:
+                raise ValueError(f"{self.TAG}.{name} needs protocol version {since} or later")
         rid = getattr(self, "rid", None)
         if rid is not None and not 0 < len(rid) <= MAX_ID_CHARS and self.TAG != "error":
             raise ValueError(f"rid must hold 1 to {MAX_ID_CHARS} characters, got {len(rid)}")
+
+    def wire_version(self) -> int:
+        """The lowest protocol version that carries this message as it is."""
+        return max([self.SINCE, *(since for name, since in self.FIELDS_SINCE.items()
+                                  if getattr(self, name) is not None)])
 
 
 # ---- requests (client -> gateway -> engine) ----
@@ -80,6 +92,7 @@ class Message:
 class GenerateReq(Message):
     """One prompt, as text or as token ids (exactly one of the two)."""
     TAG: ClassVar[str] = "generate"
+    FIELDS_SINCE: ClassVar[dict[str, int]] = {"call": 2}
     rid: str
     prompt: str | None = None
     input_ids: list[int] | None = None
@@ -91,8 +104,6 @@ class GenerateReq(Message):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.call is not None and self.version < 2:
-            raise ValueError("generate.call needs protocol version 2 or later")
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError("a generate request needs exactly one of prompt and input_ids")
         if self.input_ids is not None and not self.input_ids:

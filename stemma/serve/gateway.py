@@ -416,7 +416,7 @@ class Gateway:
 
     def on_message(self, peer: bytes | int, msg: P.Message) -> None:
         if not self.serving:  # the engine is restarting (health probes too: not healthy)
-            if not isinstance(msg, P.Abort):
+            if not isinstance(msg, (P.Abort, P.EndProgram)):  # the two that get no reply
                 self.error(peer, msg.rid, P.ENGINE_DEAD, self.unavailable)
         elif isinstance(msg, P.GenerateReq):
             self.on_generate(peer, msg)
@@ -424,8 +424,11 @@ class Gateway:
             gid = self.routes.find(peer, msg.rid)
             if gid is not None:
                 self.to_engine(peer, msg.rid, P.Abort(rid=gid))
-        elif isinstance(msg, P.EndProgram):  # no reply: the engine only marks the program ended
-            self.to_engine(peer, msg.rid, msg)
+        elif isinstance(msg, P.EndProgram):  # no reply, not even "overloaded": a hint only
+            try:
+                self.to_engine_sock.send(P.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         else:
             self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG))
 

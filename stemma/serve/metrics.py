@@ -25,7 +25,7 @@ GAUGES = {  # gauge suffix -> the engine stats key it shows
     "num_grammar_queue_reqs": "grammar_queue",
     "kv_cache_usage_perc": "pool_usage",
     "cache_hit_rate": "cache_hit_rate",
-    # programs (stemma.engine.programs): live ones, those paused with KV retained, ended (cumulative)
+    # programs (stemma.engine.programs): live ones, those paused with KV retained, ended ones
     "num_programs_live": "programs_live",
     "num_programs_retained": "programs_retained",
     "num_programs_ended": "programs_ended",
