@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
+from stemma.sampling_params import _check_bool, _check_int, _check_real
+
 MAX_PROGRAM_ID_CHARS = 256
 MAX_PAUSE_S = 3600.0
 
@@ -29,21 +31,15 @@ class ProgramCall:
         if not isinstance(self.program_id, str) or not 0 < len(self.program_id) <= MAX_PROGRAM_ID_CHARS:
             raise ValueError(f"program_id must be a string of 1 to {MAX_PROGRAM_ID_CHARS} characters, "
                              f"got {self.program_id!r}")
-        for name in ("call_index", "fork_parent"):
-            value = getattr(self, name)
-            if value is None and name == "fork_parent":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if self.fork_parent is not None and self.fork_parent >= self.call_index:
-            raise ValueError(f"fork_parent must be an earlier call than call_index {self.call_index}, "
-                             f"got {self.fork_parent}")
-        if not isinstance(self.continues, bool):
-            raise ValueError(f"continues must be a bool, got {self.continues!r}")
+        _check_int("call_index", self.call_index, 0)
+        if self.fork_parent is not None:
+            _check_int("fork_parent", self.fork_parent, 0)
+            if self.fork_parent >= self.call_index:
+                raise ValueError(f"fork_parent must be an earlier call than call_index {self.call_index}, "
+                                 f"got {self.fork_parent}")
+        _check_bool("continues", self.continues)
         if self.pause_s is not None:
-            p = self.pause_s
-            if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= MAX_PAUSE_S:
-                raise ValueError(f"pause_s must be a number in [0, {MAX_PAUSE_S:g}], got {p!r}")
+            _check_real("pause_s", self.pause_s, 0.0, MAX_PAUSE_S)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -33,7 +33,11 @@ def _check_real(name: str, value: Any, low: float, high: float = math.inf,
                 low_open: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{name} must be finite, got an int of {len(str(value))} digits") from None
+    if not finite:
         raise ValueError(f"{name} must be finite, got {value}")
     if (value <= low) if low_open else (value < low):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")

@@ -39,6 +39,7 @@ def test_program_call_checks_its_fields():
                        (dict(program_id="p", continues=1), "continues"),
                        (dict(program_id="p", pause_s=-1.0), "pause_s"),
                        (dict(program_id="p", pause_s=float("nan")), "pause_s"),
+                       (dict(program_id="p", pause_s=10**400), "pause_s must be finite"),
                        (dict(program_id="p", color=1), "unknown program call fields: color"),
                        (dict(call_index=1), "needs program_id")]:
         with pytest.raises(ValueError, match=match):

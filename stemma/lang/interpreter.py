@@ -14,7 +14,6 @@ that generates nothing), then every branch starts from those ids.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import statistics
 import time
 import uuid
@@ -122,8 +121,7 @@ class Run:
         self.tool_calls: list[ToolCall] = []
         # the program context each model call carries (stemma.program_call)
         self.program_id = uuid.uuid4().hex
-        self._call_index = itertools.count()
-        self.calls_made = 0
+        self.calls_made = 0          # also the index of the next call
 
     def root(self) -> "StateExecutor":
         start = Snapshot(tuple(self.config.backend.codec.start_ids), "", {}, {}, (), None, 0)
@@ -143,10 +141,9 @@ class Run:
     def call(self, fork_parent: int | None) -> Iterator[int]:
         """Around one model call (its requests): they carry this program's context, a new call
         index (yielded), and the pause the program's finished tool calls took on average."""
-        index = next(self._call_index)
+        index = self.calls_made
         self.calls_made += 1
-        parent = fork_parent if fork_parent is not None and fork_parent < index else None
-        token = CURRENT_CALL.set(ProgramCall(self.program_id, index, parent, True, self.pause_hint()))
+        token = CURRENT_CALL.set(ProgramCall(self.program_id, index, fork_parent, True, self.pause_hint()))
         try:
             yield index
         finally:
