@@ -61,7 +61,8 @@ def test_generate_carries_the_program_context_from_version_2():
         ({"type": "generate", "version": 2, "rid": "r", "input_ids": [1], "call": {"program_id": 5}},
          "program_id"),
         ({"type": "generate", "version": 2, "rid": "r", "input_ids": [1], "call": "p"}, "must be a map"),
-        ({"type": "generate", "version": 3, "rid": "r", "input_ids": [1]}, "version 3"),
+        ({"type": "generate", "version": P.PROTOCOL_VERSION + 1, "rid": "r", "input_ids": [1]},
+         f"version {P.PROTOCOL_VERSION + 1}"),
     ]:
         with pytest.raises(P.ProtocolError, match=match) as err:
             P.decode(msgpack.packb(frame))

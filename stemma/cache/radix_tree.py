@@ -23,6 +23,11 @@ Invariants (see `check_invariants`):
 `version` changes whenever an insert adds tokens or an eviction removes some, so a match made at
 one version is still exact while the version stands (a split changes no match: it keeps depths).
 
+`listener`, when set, hears every change to the set of cached prefixes, in order:
+`stored(key, salt)` after an insert adds tokens, `removed(key, keep, salt)` before a leaf spelling
+`key` (below depth `keep`) is evicted, and `cleared()` on reset; a replica behind a cache-aware
+router mirrors its tree from them (serve.router).
+
 The tree never frees slots itself: `evict` returns them, and `insert` tells the caller how long
 a prefix was already present, whose slots the caller then frees.
 """
@@ -102,6 +107,7 @@ class RadixTree:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+        self.listener: Any = None
         self.reset()
 
     def reset(self) -> None:
@@ -111,6 +117,8 @@ class RadixTree:
         self._evictable = 0
         self._protected = 0
         self.version = next(_VERSIONS)
+        if self.listener is not None:
+            self.listener.cleared()
 
     @property
     def evictable_size(self) -> int:
@@ -165,6 +173,8 @@ class RadixTree:
             leaf.owner = owner
             self._evictable += len(leaf.key)
             self.version = next(_VERSIONS)
+            if self.listener is not None:
+                self.listener.stored(key, salt)
         return present
 
     def record_hit(self, node: Node, owner: object | None = None) -> None:
@@ -350,6 +360,8 @@ class RadixTree:
     def _remove_leaf(self, leaf: Node) -> Node:
         """Detaches an unlocked leaf; returns its parent. Drops a salted root left empty."""
         parent = leaf.parent
+        if self.listener is not None:
+            self.listener.removed(self.path_key(leaf), parent.depth, leaf.salt)
         del parent.children[leaf.key[0]]
         self._evictable -= len(leaf.key)
         if parent.is_root and parent.salt is not None and not parent.children:

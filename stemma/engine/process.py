@@ -14,7 +14,9 @@ request itself (a constraint that failed to build or timed out) end their sequen
 reason "error" and meta["error"] in its Finished, as before.
 
 Run as `python -m stemma.engine.process` with a JSON spec on stdin: `engine` (the
-EngineConfig fields), `requests` and `outputs` (the gateway's addresses).
+EngineConfig fields), `requests` and `outputs` (the gateway's addresses), and for a replica of
+several (serve --dp) `cpus` (the cores it runs on, one thread each) and `cache_events` (send the
+radix tree's changes, CacheEvents, for the gateway's cache-aware router).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import zmq
 from stemma import protocol as P
 from stemma.log import configure as configure_logging
 from stemma.serve.proc_watch import ParentWatch
+from stemma.engine.cache_events import CacheEventLog
 from stemma.engine.cache_tree import cache_tree
 from stemma.engine.heap import HeapTrimmer
 from stemma.engine.request import Request
@@ -68,7 +71,8 @@ def _chunk(live: Live, new: slice) -> P.TokenChunk:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, requests: zmq.Socket, outputs: zmq.Socket):
+    def __init__(self, engine: Engine, requests: zmq.Socket, outputs: zmq.Socket,
+                 cache_events: bool = False):
         self.engine = engine
         self.requests = requests
         self.outputs = outputs
@@ -77,6 +81,7 @@ class EngineLoop:
         self.outbox: list[P.Message] = []
         self.next_beat = 0.0
         self.heap = HeapTrimmer(engine.config.heap_trim_interval_s)
+        self.cache_events = CacheEventLog(engine.cache.tree) if cache_events else None
 
     # ---- intake ----
     def handle(self, msg: P.Message) -> None:
@@ -116,7 +121,7 @@ class EngineLoop:
 
     def info(self, rid: str, check_pool: bool = True) -> P.Info:
         engine = self.engine
-        stats = engine.stats()
+        stats = {**engine.stats(), "pid": os.getpid()}
         try:
             if check_pool:
                 engine.check_pool_whole()
@@ -157,6 +162,9 @@ class EngineLoop:
         self.outputs.send(P.encode(msg))
 
     def flush(self) -> None:
+        events = self.cache_events.take() if self.cache_events is not None else None
+        if events is not None:
+            self.outbox.append(events)
         if self.outbox:
             self.send(P.Batch(items=self.outbox))
             self.outbox = []
@@ -224,7 +232,13 @@ def main(spec_json: str | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     parent = ParentWatch()
 
+    cpus = spec.get("cpus")
+    if cpus:  # a replica of several (serve --dp): its own share of the cores
+        os.sched_setaffinity(0, cpus)
     from stemma.engine.engine import Engine
+    if cpus:
+        import torch
+        torch.set_num_threads(len(cpus))
     try:
         engine = Engine(**spec["engine"])
     except (ValueError, FileNotFoundError, ImportError) as exc:
@@ -233,7 +247,7 @@ def main(spec_json: str | None = None) -> int:
     ctx = zmq.Context()
     requests = _connect(ctx, zmq.PULL, spec["requests"])
     outputs = _connect(ctx, zmq.PUSH, spec["outputs"])
-    loop = EngineLoop(engine, requests, outputs)
+    loop = EngineLoop(engine, requests, outputs, cache_events=bool(spec.get("cache_events")))
     loop.send(P.EngineReady(model=str(engine.loaded.source), context_length=engine.runner.max_context,
                              vocab_size=engine.loaded.spec.vocab_size, pid=os.getpid()))
     logger.debug("ready: %s, context length %d", engine.loaded.source, engine.runner.max_context)

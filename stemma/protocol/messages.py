@@ -2,12 +2,13 @@
 
     client ── GenerateReq / Abort / EndProgram / FlushCache / GetInfo / GetCacheTree / Health ──▶ gateway ──▶ engine
     client ◀─ TokenChunk / Finished / ErrorMsg / FlushDone / Info / CacheTree / HealthOk ── gateway ◀── engine
-    gateway ◀── EngineReady, Heartbeat, Batch(TokenChunk | Finished | ErrorMsg) ── engine
+    gateway ◀── EngineReady, Heartbeat, Batch(TokenChunk | Finished | ErrorMsg | CacheEvents) ── engine
 
 Between the client and the gateway a message travels as two frames, [api key, body];
 between the gateway and the engine, as the body alone.
 
-Versions: version 2 added the program context (GenerateReq.call, EndProgram). This side reads
+Versions: version 2 added the program context (GenerateReq.call, EndProgram); version 3 the
+replicas' cache events (CacheEvents, engine -> gateway only). This side reads
 versions MIN_PROTOCOL_VERSION to PROTOCOL_VERSION and refuses a message or field newer than the
 version it claims. It writes each message at the lowest version that carries it
 (`wire_version`), without the newer fields it leaves unset, so a side that speaks only version 1
@@ -24,9 +25,9 @@ from stemma.outputs import RequestOutput
 from stemma.program_call import ProgramCall
 from stemma.sampling_params import SamplingParams
 
-__all__ = ['PROTOCOL_VERSION', 'MIN_PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'CUT_OFF', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'EndProgram', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'Batch', 'CLIENT_REQUESTS']
+__all__ = ['PROTOCOL_VERSION', 'MIN_PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'CUT_OFF', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'EndProgram', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'CacheEvents', 'Batch', 'CLIENT_REQUESTS']
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MIN_PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
 MAX_ID_CHARS = 256
@@ -280,10 +281,27 @@ class Heartbeat(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CacheEvents(Message):
+    """What changed in the engine's radix tree since its last CacheEvents, in order (sent only
+    when the gateway asks for them: replicas behind a cache-aware router). Each event is
+    `[op, keep, salt, *tokens]`, `salt` an index into `salts` (-1: no salt):
+    - op 1 (store): `tokens` and all their prefixes are cached;
+    - op 0 (remove): the prefixes of `tokens` longer than `keep` are gone (an evicted leaf);
+    - op 2 (clear): nothing is cached any more (`tokens` empty)."""
+    TAG: ClassVar[str] = "cache_events"
+    SINCE: ClassVar[int] = 3
+    STORE: ClassVar[int] = 1
+    REMOVE: ClassVar[int] = 0
+    CLEAR: ClassVar[int] = 2
+    events: list[list[int]]
+    salts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Batch(Message):
     """Everything one engine step produced, in order, as one frame."""
     TAG: ClassVar[str] = "batch"
-    items: list[TokenChunk | Finished | ErrorMsg]
+    items: list[TokenChunk | Finished | ErrorMsg | CacheEvents]
 
 
 CLIENT_REQUESTS = (GenerateReq, Abort, EndProgram, FlushCache, GetInfo, GetCacheTree, Health)

@@ -23,6 +23,13 @@ request in flight gets an `engine_dead` error naming the cause, and new ones get
 fresh engine is ready (restarts are bounded); with no restart left the gateway exits with
 status 3. An error met turning one request's output into text fails that request only.
 
+With `dp` > 1 the gateway runs that many engines (serve.replica), each on its own share of the
+cores, and a Router (serve.router) picks the replica of each generate request; the rest follow
+it there (aborts), a program's end goes where its calls went, health probes go to the least
+loaded replica, and stats, cache flushes and cache trees go to every serving replica, their
+answers merged into one reply (serve.fanout). A replica that dies fails only its own requests;
+routing skips it until it is back, and the gateway exits only when no replica is left.
+
 Run as `python -m stemma.serve.gateway` with a JSON spec (the fields of GatewaySpec) on stdin.
 """
 from __future__ import annotations
@@ -47,11 +54,13 @@ from stemma.text.tokenizer import encode_prompt, load_tokenizer, preload_tokeniz
 from stemma.serve.routes import Pending, Routes
 from stemma.serve.peer_watch import PeerWatch, configure
 from stemma.serve.proc_watch import ParentWatch
-from stemma.serve.supervisor import Supervision, Supervisor
+from stemma.serve.fanout import merge
+from stemma.serve.replica import Replica, address, cpu_shares
+from stemma.serve.router import Router, Routing
+from stemma.serve.supervisor import Supervision
 
 POLL_MS = 100
 MAX_BURST = 256           # frames read from one socket before looking at the others
-INTERNAL_HWM = 100_000    # frames queued towards the engine before clients are told to back off
 CLIENT_HWM = 4096         # frames queued for one ZeroMQ client before it is cut off (not reading)
 CLOSE_LINGER_MS = 1000    # time given to final replies (errors) to reach clients on exit
 EXIT_ENGINE_DEAD = 3
@@ -76,6 +85,8 @@ class GatewaySpec:
     http_host: str = "127.0.0.1"
     http_port: int | None = None   # None: no HTTP front (stemma.Runtime)
     served_model_name: str | None = None
+    dp: int = 1                    # engine replicas (serve.replica)
+    routing: Routing = dataclasses.field(default_factory=Routing)
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024:
@@ -85,25 +96,22 @@ class GatewaySpec:
         check_level(self.log_level)
         if self.http_port is not None and not 1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [1, 65535], got {self.http_port}")
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got {self.dp}")
 
     @classmethod
     def from_json(cls, text: str) -> "GatewaySpec":
         raw = json.loads(text)
-        return cls(**{**raw, "supervision": Supervision(**raw.get("supervision", {}))})
+        return cls(**{**raw, "supervision": Supervision(**raw.get("supervision", {})),
+                      "routing": Routing(**raw.get("routing", {}))})
 
-    def engine_spec(self) -> dict[str, Any]:
-        """The engine process's spec (stemma.engine.process reads it on stdin)."""
-        return {"engine": self.engine, "requests": self.requests, "outputs": self.outputs,
-                "log_level": self.log_level}
-
-
-def _bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, INTERNAL_HWM)
-    sock.setsockopt(zmq.RCVHWM, INTERNAL_HWM)
-    sock.bind(address)
-    return sock
+    def engine_spec(self, cpus: list[int] | None = None) -> dict[str, Any]:
+        """An engine process's spec (stemma.engine.process reads it on stdin), less its two
+        addresses (the replica's own)."""
+        spec = {"engine": self.engine, "log_level": self.log_level}
+        if self.dp > 1:
+            spec.update(cpus=cpus, cache_events=self.routing.router == "cache_aware")
+        return spec
 
 
 class Gateway:
@@ -111,9 +119,11 @@ class Gateway:
         self.spec = spec
         self.ctx = ctx
         self.key = spec.api_key.encode() if spec.api_key else None
-        self.to_engine_sock = _bind(ctx, zmq.PUSH, spec.requests)
-        self.from_engine = _bind(ctx, zmq.PULL, spec.outputs)
-        self.engine = Supervisor(spec.engine_spec(), spec.supervision)  # started by start_engine
+        self.replicas = [Replica(i, ctx, address(spec.requests, i), address(spec.outputs, i),
+                                 spec.engine_spec(cpus), spec.supervision)
+                         for i, cpus in enumerate(cpu_shares(spec.dp))]  # started by start_engine
+        self._by_pull = {r.pull: r for r in self.replicas}
+        self.replica_router = Router(spec.dp, spec.routing)
         self.routes = Routes()
         self.tokenizer: Any = None
         self.router: zmq.Socket | None = None
@@ -121,15 +131,28 @@ class Gateway:
         self.bridge: Bridge | None = None
         self.http = None            # the HttpState, when there is an HTTP front
         self.next_stats = 0.0
-        # Invariant: `serving` is True exactly while a ready engine is attached; while it is
-        # False, `unavailable` says why, and every request gets an engine_dead error at once.
-        self.serving = False
+        # Invariant: while no replica serves, `unavailable` says why, and every request gets an
+        # engine_dead error at once.
         self.unavailable = "the engine is loading"
         self.poller: zmq.Poller | None = None
-        self._engine_fd: int | None = None   # the pidfd registered in `poller`
         self.stalled: set[bytes] = set()     # ZeroMQ peers found not reading in this burst
         self.vanished: set[bytes] = set()    # ZeroMQ peers found unroutable in this burst
         self.owed: dict[bytes, list[P.ErrorMsg]] = {}  # cut-off peers: errors to send when they read
+
+    @property
+    def serving(self) -> bool:
+        """Whether some replica serves."""
+        return any(r.serving for r in self.replicas)
+
+    @serving.setter
+    def serving(self, value: bool) -> None:
+        for r in self.replicas:
+            r.serving = value
+
+    @property
+    def engine(self):
+        """The first replica's Supervisor (the only one without --dp)."""
+        return self.replicas[0].sup
 
     def attach_http(self, bridge: Bridge, state) -> None:
         self.bridge, self.http = bridge, state
@@ -137,13 +160,34 @@ class Gateway:
 
     # ---- startup ----
     def wait_engine(self, stopping: Callable[[], bool]) -> P.EngineReady | None:
-        """The first engine's EngineReady, or None if it died (`engine.dead()` says how) or we
-        were told to stop first."""
-        while not stopping() and self.engine.dead() is None:
-            if self.from_engine.poll(POLL_MS):
-                ready = P.decode(self.from_engine.recv(), (P.EngineReady,))
-                self.engine.on_ready()
-                return ready
+        """The first replica's EngineReady once every replica's has come, or None if one died
+        first (`dead()` says how) or we were told to stop first."""
+        poller = zmq.Poller()
+        for r in self.replicas:
+            poller.register(r.pull, zmq.POLLIN)
+        ready: dict[int, P.EngineReady] = {}
+        while not stopping() and self.dead() is None:
+            for sock, _ in poller.poll(POLL_MS):
+                replica = self._by_pull[sock]
+                msg = P.decode(sock.recv(), max_bytes=1 << 62)
+                if isinstance(msg, P.EngineReady):
+                    ready[replica.index] = msg
+                    replica.sup.on_ready()
+                    continue
+                replica.sup.heard()  # a ready one waits for the others: heartbeats, cache events
+                for item in msg.items if isinstance(msg, P.Batch) else ():
+                    if isinstance(item, P.CacheEvents):
+                        self.replica_router.on_events(replica.index, item.events, item.salts)
+            if len(ready) == len(self.replicas):
+                return ready[0]
+        return None
+
+    def dead(self) -> str | None:
+        """Why a replica no longer serves (the first found), or None."""
+        for r in self.replicas:
+            cause = r.sup.dead()
+            if cause is not None:
+                return cause if len(self.replicas) == 1 else f"{r.name}: {cause}"
         return None
 
     def open(self, ready: P.EngineReady) -> None:
@@ -164,9 +208,10 @@ class Gateway:
     # ---- the loop ----
     def run(self, stopping: Callable[[], bool], orphaned: Callable[[], bool]) -> int:
         self.poller = poller = zmq.Poller()
-        for sock in (self.router, self.from_engine, self.peers.monitor):
+        for sock in (self.router, self.peers.monitor, *self._by_pull):
             poller.register(sock, zmq.POLLIN)
-        self._watch_engine()
+        for replica in self.replicas:
+            self._watch_engine(replica)
         if self.bridge is not None:
             poller.register(self.bridge.fd, zmq.POLLIN)
         while True:
@@ -176,8 +221,10 @@ class Gateway:
                 return 0
             events = dict(poller.poll(POLL_MS))
             self.reap()
-            if self.from_engine in events:
-                self._drain(self.from_engine, lambda frames: self.on_engine(frames[0]))
+            for replica in self.replicas:
+                if replica.pull in events:
+                    self._drain(replica.pull,
+                                lambda frames, i=replica.index: self.on_engine(frames[0], i))
             if not self.supervise():  # after the drain: a frame just read is a sign of life
                 self._flush_bridge()
                 return EXIT_ENGINE_DEAD
@@ -223,65 +270,82 @@ class Gateway:
             self.bridge.flush()
 
     def close(self) -> None:
-        self.engine.stop()
-        self.to_engine_sock.close()
-        self.from_engine.close()
+        for replica in self.replicas:
+            replica.close()
         if self.peers is not None:
             self.peers.close()
         if self.router is not None:
             self.router.close()  # lingers, so the last errors reach their clients
 
-    # ---- the engine process ----
-    def start_engine(self) -> None:
-        self._unwatch_engine()
-        self.engine.start()
-        self._watch_engine()
+    # ---- the engine processes ----
+    def start_engine(self, index: int | None = None) -> None:
+        """Starts replica `index`'s engine (every replica's when None)."""
+        for replica in self.replicas if index is None else [self.replicas[index]]:
+            self._unwatch_engine(replica)
+            replica.sup.start()
+            self._watch_engine(replica)
 
-    def _watch_engine(self) -> None:
-        if self.poller is not None and self.engine.fd is not None:
-            self._engine_fd = self.engine.fd
-            self.poller.register(self._engine_fd, zmq.POLLIN)
+    def _watch_engine(self, replica: Replica) -> None:
+        if self.poller is not None and replica.sup.fd is not None:
+            replica.fd = replica.sup.fd
+            self.poller.register(replica.fd, zmq.POLLIN)
 
-    def _unwatch_engine(self) -> None:
-        if self.poller is not None and self._engine_fd is not None:
-            self.poller.unregister(self._engine_fd)  # before the Supervisor closes the pidfd
-        self._engine_fd = None
+    def _unwatch_engine(self, replica: Replica) -> None:
+        if self.poller is not None and replica.fd is not None:
+            self.poller.unregister(replica.fd)  # before the Supervisor closes the pidfd
+        replica.fd = None
 
     def supervise(self) -> bool:
-        """Once the engine has died or hung: fails every request in flight with the cause, then
-        starts a fresh engine if the restart budget allows. False when it does not."""
-        cause = self.engine.dead()
-        if cause is None:
-            return True
-        restart, plan = self.engine.may_restart()
-        why = f"{cause}; {plan}"
+        """Once a replica's engine has died or hung: fails its requests in flight with the
+        cause, then starts a fresh engine if its restart budget allows. False when no replica
+        is left (serving or restarting)."""
+        for replica in self.replicas:
+            if not replica.retired and replica.sup.dead() is not None:
+                self._replica_died(replica)
+        return not all(r.retired for r in self.replicas)
+
+    def _replica_died(self, replica: Replica) -> None:
+        others = [r for r in self.replicas if r is not replica and not r.retired]
+        restart, plan = replica.sup.may_restart(last=not others)
+        why = f"{replica.sup.cause}; {plan}"
+        if len(self.replicas) > 1:
+            why = f"{replica.name}: {why}"
         logger.error("%s", why)
-        self.serving, self.unavailable = False, why
-        self.fail_all(P.ENGINE_DEAD, why)
+        replica.serving = False
+        self.replica_router.reset(replica.index)
+        if not self.serving:
+            self.unavailable = why
+        self.fail_replica(replica.index, P.ENGINE_DEAD, why)
         if restart:
-            self.start_engine()
-        return restart
+            self.start_engine(replica.index)
+        else:
+            replica.retired = True
+            self._unwatch_engine(replica)
 
-    def on_ready(self, ready: P.EngineReady) -> None:
+    def on_ready(self, ready: P.EngineReady, index: int = 0) -> None:
         """A restarted engine is ready: requests go to it again."""
-        if self.serving:
-            logger.warning("an EngineReady from pid %d while an engine serves; ignored", ready.pid)
+        replica = self.replicas[index]
+        if replica.serving:
+            logger.warning("an EngineReady from pid %d while %s serves; ignored", ready.pid,
+                           replica.name)
             return
-        self.await_link()
-        self.engine.on_ready()
-        self.serving = True
-        if self.http is not None:
+        was_serving = self.serving
+        self.await_link(replica)
+        replica.sup.on_ready()
+        replica.serving = True
+        if self.http is not None and not was_serving:
             self.http.ready(ready, self.tokenizer)
-        logger.info("the engine process (pid %d) is ready again after restart %d", ready.pid,
-                    self.engine.starts - 1)
+        logger.info("the engine process (pid %d) of %s is ready again after restart %d", ready.pid,
+                    replica.name, replica.sup.starts - 1)
 
-    def await_link(self) -> None:
-        """Waits until the engine's request connection is up: the engine connects it before it
-        sends EngineReady, but the two connections complete independently, and a PUSH with no
-        connection refuses a non-blocking send."""
-        if not self.to_engine_sock.poll(LINK_WAIT_MS, zmq.POLLOUT):
-            logger.warning("the engine is ready, but its request connection is not up after "
-                           "%d ms", LINK_WAIT_MS)
+    def await_link(self, replica: Replica | None = None) -> None:
+        """Waits until the engines' request connections are up: an engine connects it before
+        it sends EngineReady, but the two connections complete independently, and a PUSH with
+        no connection refuses a non-blocking send."""
+        for r in self.replicas if replica is None else [replica]:
+            if not r.push.poll(LINK_WAIT_MS, zmq.POLLOUT):
+                logger.warning("%s is ready, but its request connection is not up after %d ms",
+                               r.name, LINK_WAIT_MS)
 
     # ---- replies ----
     def reply(self, peer: bytes | int, msg: P.Message) -> None:
@@ -312,6 +376,19 @@ class Gateway:
             self.http.unavailable(code, message)
         for pending in self.routes.pop_all():
             self.error(pending.peer, pending.rid, code, message)
+
+    def fail_replica(self, index: int, code: str, message: str) -> None:
+        """Ends every request in flight on replica `index` with an error; a request spread over
+        all replicas (stats, flush) stops waiting for it."""
+        if self.http is not None and not self.serving:
+            self.http.unavailable(code, message)
+        for _, pending in self.routes.pop_replica(index):
+            self.error(pending.peer, pending.rid, code, message)
+        for gid, pending in self.routes.spread():
+            if index in pending.expect:
+                pending.expect.discard(index)
+                if not pending.expect:
+                    self._answer_spread(gid, pending)
 
     def cut_off_stalled(self) -> None:
         """Cuts off the ZeroMQ peers that stopped reading: aborts their requests and owes each
@@ -373,8 +450,9 @@ class Gateway:
             return
         self.next_stats = now + STATS_PERIOD_S
         rid = f"stats-{now}"
+        expect = {r.index for r in self.replicas if r.serving}
         self.forward(STATS_PEER, P.GetInfo(rid=rid, check_pool=False),
-                     Pending(STATS_PEER, rid, P.GetInfo.TAG))
+                     Pending(STATS_PEER, rid, P.GetInfo.TAG, replica=-1, expect=expect))
 
     def on_stats(self, msg: P.Message) -> None:
         if isinstance(msg, P.Info):
@@ -422,15 +500,18 @@ class Gateway:
             self.on_generate(peer, msg)
         elif isinstance(msg, P.Abort):
             gid = self.routes.find(peer, msg.rid)
-            if gid is not None:
-                self.to_engine(peer, msg.rid, P.Abort(rid=gid))
+            if gid is not None and self.routes.get(gid).replica >= 0:
+                self.to_engine(self.routes.get(gid).replica, peer, msg.rid, P.Abort(rid=gid))
         elif isinstance(msg, P.EndProgram):  # no reply, not even "overloaded": a hint only
-            try:
-                self.to_engine_sock.send(P.encode(msg), zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-        else:
-            self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG))
+            index = self.replica_router.end_program(msg.program_id)
+            for replica in self.replicas:
+                if replica.serving and index in (None, replica.index):
+                    replica.send(msg)
+        elif isinstance(msg, P.Health):  # to one replica: any that serves answers for the server
+            self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG, replica=self._least_loaded()))
+        else:  # stats, flushes, cache trees: every serving replica's, merged (serve.fanout)
+            expect = {r.index for r in self.replicas if r.serving}
+            self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG, replica=-1, expect=expect))
 
     def on_generate(self, peer: bytes | int, msg: P.GenerateReq) -> None:
         try:
@@ -440,29 +521,45 @@ class Gateway:
             return
         logger.debug("request %r received: %d prompt tokens, n=%d, stream=%s",
                      msg.rid, len(ids), msg.params.n, msg.stream)
+        replica = self._route(ids, msg)
         pending = Pending(peer, msg.rid, msg.TAG, msg.stream, msg.params.n, ids, msg.params,
-                          program=msg.program)
+                          program=msg.program, replica=replica)
         self.forward(peer, dataclasses.replace(msg, prompt=None, input_ids=ids), pending)
 
+    def _route(self, ids: list[int], msg: P.GenerateReq) -> int:
+        if len(self.replicas) == 1:
+            return 0
+        program = msg.call.program_id if msg.call is not None else None
+        return self.replica_router.choose(ids, msg.salt, program, self.routes.loads(len(self.replicas)),
+                                          [r.serving for r in self.replicas])
+
+    def _least_loaded(self) -> int:
+        loads = self.routes.loads(len(self.replicas))
+        return min((r.index for r in self.replicas if r.serving), key=lambda i: (loads[i], i))
+
     def forward(self, peer: bytes | int, msg: P.Message, pending: Pending) -> None:
-        """Registers the request and sends it on under its engine-side id."""
+        """Registers the request and sends it on under its engine-side id (to every replica it
+        expects an answer from, when it is spread)."""
         try:
             gid = self.routes.add(pending)
         except ValueError as exc:
             self.error(peer, pending.rid, P.BAD_REQUEST, str(exc))
             return
         if pending.kind != P.Health.TAG:  # health probes come many a second: not worth a line each
-            logger.debug("request %r (%s): routed to engine id %s", pending.rid, pending.kind, gid)
-        if not self.to_engine(peer, pending.rid, dataclasses.replace(msg, rid=gid)):
-            self.routes.pop(gid)
+            logger.debug("request %r (%s): routed to engine id %s on replica %s", pending.rid,
+                         pending.kind, gid, pending.replica if pending.expect is None else "all")
+        msg = dataclasses.replace(msg, rid=gid)
+        targets = [pending.replica] if pending.expect is None else sorted(pending.expect)
+        for index in targets:
+            if not self.to_engine(index, peer, pending.rid, msg):
+                self.routes.pop(gid)
+                return
 
-    def to_engine(self, peer: bytes | int, rid: str, msg: P.Message) -> bool:
-        try:
-            self.to_engine_sock.send(P.encode(msg), zmq.NOBLOCK)
+    def to_engine(self, index: int, peer: bytes | int, rid: str, msg: P.Message) -> bool:
+        if self.replicas[index].send(msg):
             return True
-        except zmq.Again:
-            self.error(peer, rid, P.OVERLOADED, "the engine's queue is full; try again later")
-            return False
+        self.error(peer, rid, P.OVERLOADED, "the engine's queue is full; try again later")
+        return False
 
     def drop_peer(self, peer: bytes | int) -> list[tuple[str, Pending]]:
         """A client went away (or was cut off): aborts its generate requests, forgets the rest;
@@ -473,31 +570,66 @@ class Gateway:
                          peer.hex() if isinstance(peer, bytes) else f"http-{peer}", len(dropped),
                          [pending.rid for _, pending in dropped])
         for gid, pending in dropped:
-            if pending.kind == P.GenerateReq.TAG and self.serving:
-                self.to_engine(peer, pending.rid, P.Abort(rid=gid))
+            if pending.kind == P.GenerateReq.TAG and self.replicas[pending.replica].serving:
+                self.to_engine(pending.replica, peer, pending.rid, P.Abort(rid=gid))
         return dropped
 
     # ---- from the engine ----
-    def on_engine(self, frame: zmq.Frame) -> None:
+    def on_engine(self, frame: zmq.Frame, index: int = 0) -> None:
+        """A frame from replica `index`'s engine."""
         msg = P.decode(frame.bytes, max_bytes=1 << 62)  # trusted, and may be large
-        self.engine.heard()
+        replica = self.replicas[index]
+        replica.sup.heard()
         if isinstance(msg, P.Heartbeat):
             return
         if isinstance(msg, P.EngineReady):
-            self.on_ready(msg)
+            self.on_ready(msg, index)
             return
-        if not self.serving:  # a dead engine's last words: its requests have had their error
+        if not replica.serving:  # a dead engine's last words: its requests have had their error
             return
         for item in msg.items if isinstance(msg, P.Batch) else [msg]:
+            if isinstance(item, P.CacheEvents):
+                self.replica_router.on_events(index, item.events, item.salts)
+                continue
             pending = self.routes.get(item.rid)
             if pending is None:  # its client is gone (the engine still says how it ended)
                 if isinstance(item, P.Finished) and self.http is not None:
                     self.http.metrics.on_finished(item.finish_reason, item.meta)
                 continue
+            if pending.expect is not None:
+                self.on_part(item, pending, index)
+                continue
             try:
                 self.on_reply(item, pending)
             except Exception as exc:  # a detokenizer error, say: this request ends, the rest go on
                 self.fail_request(item.rid, pending, exc)
+
+    def on_part(self, item: P.Message, pending: Pending, index: int) -> None:
+        """Replica `index`'s answer to a request spread over the replicas; the merged reply
+        goes out once every replica it waits for has answered (or died)."""
+        if index not in pending.expect:
+            return
+        pending.expect.discard(index)
+        pending.parts[index] = item
+        if isinstance(item, P.FlushDone) and item.ok:  # its exact tree hears a clear event
+            self.replica_router.approx[index].clear()
+        if not pending.expect:
+            self._answer_spread(item.rid, pending)
+
+    def _answer_spread(self, gid: str, pending: Pending) -> None:
+        self.routes.pop(gid)
+        if not pending.parts:
+            self.error(pending.peer, pending.rid, P.ENGINE_DEAD, self.unavailable)
+            return
+        item = merge(pending.parts, self._router_stats())
+        if isinstance(item, P.CacheTree):
+            item = dataclasses.replace(item, requests=self.described(item.requests))
+        if isinstance(item, P.ErrorMsg):
+            logger.debug("request %r: a replica replied %s: %s", pending.rid, item.code, item.message)
+        self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid))
+
+    def _router_stats(self) -> dict | None:
+        return self.replica_router.stats() if len(self.replicas) > 1 else None
 
     def on_reply(self, item: P.Message, pending: Pending) -> None:
         """One engine reply to `pending` (engine id `item.rid`), on its way to the client."""
@@ -506,10 +638,6 @@ class Gateway:
             self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid, text=text))
         elif isinstance(item, P.Finished):
             self.on_finished(item, pending)
-        elif isinstance(item, P.CacheTree):
-            self.routes.pop(item.rid)
-            self.reply(pending.peer, dataclasses.replace(item, rid=pending.rid,
-                                                         requests=self.described(item.requests)))
         else:  # an error, or the answer to a control request: the request's last word
             if isinstance(item, P.ErrorMsg):
                 logger.debug("request %r: the engine replied %s: %s", pending.rid, item.code,
@@ -524,7 +652,7 @@ class Gateway:
         if self.routes.get(gid) is pending:
             self.routes.pop(gid)
         if pending.kind == P.GenerateReq.TAG:
-            self.to_engine(pending.peer, pending.rid, P.Abort(rid=gid))
+            self.to_engine(pending.replica, pending.peer, pending.rid, P.Abort(rid=gid))
         self.error(pending.peer, pending.rid, P.INTERNAL,
                    f"the server could not turn the engine's output into text "
                    f"({type(exc).__name__}: {exc}); the request was aborted")
@@ -585,7 +713,7 @@ def main(spec_json: str | None = None) -> int:
         preload_tokenizers()  # slow to import: do it while the engine loads
         ready = gateway.wait_engine(lambda: stop["now"] or parent.orphaned())
         if ready is None:
-            cause = gateway.engine.dead()
+            cause = gateway.dead()
             if cause is not None:  # not restarted: a model that fails to load fails again
                 logger.error("%s before it was ready", cause)
                 return EXIT_ENGINE_DEAD

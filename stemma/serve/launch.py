@@ -1,7 +1,7 @@
 """`stemma serve`: a gateway process, which runs and supervises the engine process.
 
-    serve ── python -m stemma.serve.gateway          (clients, tokenizer, detokenizer)
-               └── python -m stemma.engine.process   (model, scheduler, radix cache)
+    serve ── python -m stemma.serve.gateway          (clients, tokenizer, detokenizer, router)
+               └── python -m stemma.engine.process   (model, scheduler, radix cache), --dp of them
 
 The two talk over ipc sockets in a private temporary folder. Each child gets its spec as JSON on
 stdin (never on the command line, where the API key would show in `ps`); the engine's comes
@@ -25,7 +25,9 @@ from typing import Callable
 from stemma.engine_config import EngineConfig
 from stemma.log import check_level
 from stemma.protocol.messages import DEFAULT_MAX_FRAME_BYTES
+from stemma.field_doc import doc
 from stemma.serve.proc_watch import spawn_module, stop_child
+from stemma.serve.router import Routing
 from stemma.serve.supervisor import Supervision
 
 logger = logging.getLogger(__name__)
@@ -44,8 +46,13 @@ class ServeConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # also the HTTP body limit
     served_model_name: str | None = None  # the model id of the OpenAI API (default: its file name)
     supervision: Supervision = field(default_factory=Supervision)  # engine restarts (own flags)
+    dp: int = doc(1, "engine replicas (data parallel), each on its own share of the cores, "
+                     "behind one gateway that routes each request to one of them")
+    routing: Routing = field(default_factory=Routing)  # how requests are spread (own flags)
 
     def __post_init__(self):
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got {self.dp}")
         for name in ("port", "zmq_port"):
             if not 1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [1, 65535], got {getattr(self, name)}")
@@ -59,6 +66,8 @@ class ServeConfig:
             raise ValueError("served_model_name must not be empty")
         if not isinstance(self.supervision, Supervision):
             raise TypeError(f"supervision must be a Supervision, got {type(self.supervision).__name__}")
+        if not isinstance(self.routing, Routing):
+            raise TypeError(f"routing must be a Routing, got {type(self.routing).__name__}")
 
     @property
     def address(self) -> str:
@@ -79,9 +88,12 @@ class ServerProcesses:
 
     def __init__(self, engine: EngineConfig, address: str | None = None, api_key: str | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, log_level: str = "warning",
-                 http: ServeConfig | None = None, supervision: Supervision | None = None):
+                 http: ServeConfig | None = None, supervision: Supervision | None = None,
+                 dp: int | None = None, routing: Routing | None = None):
         log_level = check_level(log_level)
         supervision = supervision or (http.supervision if http is not None else Supervision())
+        dp = dp or (http.dp if http is not None else 1)
+        routing = routing or (http.routing if http is not None else Routing())
         self.folder = tempfile.mkdtemp(prefix="stemma-")  # mode 0700: only we reach the ipc paths
         self.address = address or f"ipc://{self.folder}/client"
         self.api_key = api_key
@@ -90,6 +102,7 @@ class ServerProcesses:
             "outputs": f"ipc://{self.folder}/outputs", "engine": dataclasses.asdict(engine),
             "supervision": dataclasses.asdict(supervision), "api_key": api_key,
             "max_frame_bytes": max_frame_bytes, "log_level": log_level,
+            "dp": dp, "routing": dataclasses.asdict(routing),
             **({"http_host": http.host, "http_port": http.port,
                 "served_model_name": http.served_model_name} if http is not None else {})})
         logger.debug("started the gateway (pid %d) for %s", self.gateway.pid, self.address)

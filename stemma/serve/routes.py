@@ -2,6 +2,8 @@
 
 Clients choose their own request ids, so two clients may use the same one. The gateway gives
 every request a fresh engine-side id (`gid`) and maps it back to (client identity, client rid).
+Each request is on one replica (`replica`), or spread over several (`replica` -1, `expect`: the
+replicas whose answer it still waits for); the generate requests on a replica are its load.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ class Pending:
     texts: dict[int, Any] = field(default_factory=dict)
     done: int = 0                    # sequences finished so far (of n)
     program: str | None = None       # the frontend program that sent it
+    replica: int = 0                 # the replica serving it; -1: spread over `expect`
+    expect: set[int] | None = None   # a spread request: the replicas yet to answer
+    parts: dict[int, Any] = field(default_factory=dict)  # a spread request: answers so far
 
 
 class Routes:
@@ -31,6 +36,8 @@ class Routes:
         self._by_gid: dict[str, Pending] = {}
         self._by_client: dict[tuple[bytes | int, str], str] = {}
         self._by_peer: dict[bytes | int, set[str]] = {}
+        self._by_replica: dict[int, set[str]] = {}   # replica (-1: spread) -> its gids
+        self._generating: dict[int, int] = {}        # replica -> generate requests on it
 
     def __len__(self) -> int:
         return len(self._by_gid)
@@ -45,6 +52,9 @@ class Routes:
         self._by_gid[gid] = pending
         self._by_client[key] = gid
         self._by_peer.setdefault(pending.peer, set()).add(gid)
+        self._by_replica.setdefault(pending.replica, set()).add(gid)
+        if pending.kind == "generate":
+            self._generating[pending.replica] = self._generating.get(pending.replica, 0) + 1
         return gid
 
     def get(self, gid: str) -> Pending | None:
@@ -60,11 +70,26 @@ class Routes:
         gids.discard(gid)
         if not gids:
             del self._by_peer[pending.peer]
+        self._by_replica[pending.replica].discard(gid)
+        if pending.kind == "generate":
+            self._generating[pending.replica] -= 1
         return pending
 
     def pop_peer(self, peer: bytes) -> list[tuple[str, Pending]]:
         """Removes and returns every request of a client."""
         return [(gid, self.pop(gid)) for gid in sorted(self._by_peer.get(peer, ()))]
+
+    def pop_replica(self, replica: int) -> list[tuple[str, Pending]]:
+        """Removes and returns every request on `replica` (not those spread over several)."""
+        return [(gid, self.pop(gid)) for gid in sorted(self._by_replica.get(replica, ()))]
+
+    def spread(self) -> list[tuple[str, Pending]]:
+        """The requests spread over several replicas."""
+        return [(gid, self._by_gid[gid]) for gid in sorted(self._by_replica.get(-1, ()))]
+
+    def loads(self, replicas: int) -> list[int]:
+        """Generate requests in flight on each of `replicas` replicas."""
+        return [self._generating.get(i, 0) for i in range(replicas)]
 
     def pop_all(self) -> list[Pending]:
         return [self.pop(gid) for gid in list(self._by_gid)]

@@ -15,20 +15,26 @@ from typing import Any
 from stemma.client.sync import Client, connect
 from stemma.engine_config import EngineConfig
 from stemma.serve.launch import ServerProcesses
+from stemma.serve.router import Routing
 from stemma.serve.supervisor import Supervision
 
 
 class Runtime:
     def __init__(self, model: str | None = None, *, start_timeout: float | None = 600.0,
                  log_level: str = "warning", supervision: Supervision | None = None,
-                 **engine_config: Any):
+                 dp: int = 1, routing: Routing | None = None, **engine_config: Any):
         """`engine_config` takes the fields of EngineConfig, as Engine does; they are checked here,
         before any process starts. `log_level` (one of stemma.log.LEVELS) is what the two
         children log at, on this process's stderr. `supervision`: engine restarts, as
-        `stemma serve` does them (its defaults when None)."""
+        `stemma serve` does them (its defaults when None). `dp` engine replicas, each on its
+        own share of the cores, behind one gateway that routes by `routing` (its defaults when
+        None: cache-aware)."""
         config = EngineConfig.from_kwargs(model=model, **engine_config)
+        if dp < 1:
+            raise ValueError(f"dp must be >= 1, got {dp}")
         self._procs: ServerProcesses | None = ServerProcesses(config, log_level=log_level,
-                                                              supervision=supervision)
+                                                              supervision=supervision, dp=dp,
+                                                              routing=routing)
         atexit.register(self.close)
         try:
             self._procs.wait_ready(start_timeout)

@@ -144,15 +144,17 @@ class Supervisor:
                           f"and killed")
         return self.cause
 
-    def may_restart(self) -> tuple[bool, str]:
+    def may_restart(self, last: bool = True) -> tuple[bool, str]:
         """Whether the dead engine may be replaced (spending one restart of the budget), and
-        what to tell clients about it."""
+        what to tell clients about it (`last`: no other replica serves, so the server stops
+        without it)."""
+        after = ("the server is going down" if last else
+                 "the other replicas go on serving")
         if self.policy.no_restart:
-            return False, "not restarting it (--no-restart); the server is going down"
+            return False, f"not restarting it (--no-restart); {after}"
         if not self.budget.take():
             return False, (f"not restarting it: it was restarted {len(self.budget)} times in the "
-                           f"last {self.policy.restart_window:g} s (--max-restarts); the server "
-                           f"is going down")
+                           f"last {self.policy.restart_window:g} s (--max-restarts); {after}")
         return True, (f"restarting it (restart {len(self.budget)} of {self.policy.max_restarts} "
                       f"in {self.policy.restart_window:g} s); retry shortly")
 

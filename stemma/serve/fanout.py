@@ -1,0 +1,73 @@
+"""One reply from the answers of every replica to a request spread over them (GetInfo,
+FlushCache, GetCacheTree with `serve --dp`).
+
+With one replica the answer is the reply, unchanged. With several:
+- an error from any replica is the reply;
+- Info: `stats` holds each replica's own under "replicas" (in replica order, each with its index
+  under "replica") and the router's
+  under "router"; at the top, counts (ints) are summed, `cache_hit_rate` is recomputed from the
+  summed tokens, `pool_usage` is the mean, `pool_whole` holds only if it holds everywhere, and any
+  other value is the first replica's;
+- FlushDone: ok only if every replica flushed;
+- CacheTree: the replicas' nodes one after the other (ids shifted to stay unique), each node and
+  request tagged with its "replica".
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from stemma import protocol as P
+
+
+def merge(answers: dict[int, P.Message], router: dict[str, Any] | None) -> P.Message:
+    """`answers`: replica -> its answer. `router`: the router's stats (several replicas)."""
+    parts = [answers[i] for i in sorted(answers)]
+    errors = [p for p in parts if isinstance(p, P.ErrorMsg)]
+    if errors:
+        return errors[0]
+    first = parts[0]
+    if len(parts) == 1 and router is None:
+        return first
+    if isinstance(first, P.Info):
+        return dataclasses.replace(first, stats={
+            **merge_stats({i: p.stats for i, p in answers.items()}), "router": router})
+    if isinstance(first, P.FlushDone):
+        return dataclasses.replace(first, ok=all(p.ok for p in parts))
+    if isinstance(first, P.CacheTree):
+        return _merge_trees(answers)
+    return first
+
+
+def merge_stats(by_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    stats = [by_replica[i] for i in sorted(by_replica)]
+    out: dict[str, Any] = {}
+    for key, value in stats[0].items():
+        values = [s.get(key) for s in stats]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            out[key] = sum(values)
+        elif key == "pool_usage" and all(isinstance(v, (int, float)) for v in values):
+            out[key] = sum(values) / len(values)
+        elif key == "pool_whole":
+            out[key] = all(v is True for v in values)
+        else:
+            out[key] = value
+    prompt, cached = out.get("prompt_tokens"), out.get("cached_tokens")
+    if isinstance(prompt, int) and isinstance(cached, int):
+        out["cache_hit_rate"] = cached / prompt if prompt else 0.0
+    out["replicas"] = [{"replica": i, **by_replica[i]} for i in sorted(by_replica)]
+    return out
+
+
+def _merge_trees(answers: dict[int, P.CacheTree]) -> P.CacheTree:
+    nodes: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = []
+    for replica in sorted(answers):
+        part = answers[replica]
+        shift = len(nodes)
+        for node in part.nodes:
+            parent = node.get("parent")
+            nodes.append({**node, "id": node["id"] + shift,
+                          "parent": None if parent is None else parent + shift, "replica": replica})
+        requests.extend({**r, "replica": replica} for r in part.requests)
+    return dataclasses.replace(answers[min(answers)], nodes=nodes, requests=requests)

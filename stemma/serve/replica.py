@@ -1,0 +1,80 @@
+"""One engine process behind the gateway: its supervisor, its two sockets and whether it serves.
+
+    gateway ── PUSH requests[-i] ──▶ engine process i ── PUSH outputs[-i] ──▶ PULL ── gateway
+
+Replica 0 uses the gateway's two addresses as given; replica i > 0 the same with "-i" appended.
+With `stemma serve --dp N` each replica runs on its own share of the cores (`cpus`, one thread
+each) and, behind the cache-aware router, sends its radix tree's changes (CacheEvents).
+
+Invariants: `serving` is True exactly while a ready engine is attached; `retired` once it died
+with no restart left (routing skips it for good); `fd` is the pidfd registered in the gateway's
+poller, if any.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import zmq
+
+from stemma import protocol as P
+from stemma.serve.supervisor import Supervision, Supervisor
+
+INTERNAL_HWM = 100_000    # frames queued towards an engine before clients are told to back off
+
+
+def bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, INTERNAL_HWM)
+    sock.setsockopt(zmq.RCVHWM, INTERNAL_HWM)
+    sock.bind(address)
+    return sock
+
+
+def address(base: str, index: int) -> str:
+    return base if index == 0 else f"{base}-{index}"
+
+
+def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
+    """`parts` disjoint runs of `cpus`, as even as can be; with fewer cpus than parts, the parts
+    share them round-robin (one each)."""
+    if len(cpus) < parts:
+        return [[cpus[i % len(cpus)]] for i in range(parts)]
+    return [cpus[i * len(cpus) // parts:(i + 1) * len(cpus) // parts] for i in range(parts)]
+
+
+class Replica:
+    def __init__(self, index: int, ctx: zmq.Context, requests: str, outputs: str,
+                 spec: dict[str, Any], supervision: Supervision):
+        self.index = index
+        self.push = bind(ctx, zmq.PUSH, requests)
+        self.pull = bind(ctx, zmq.PULL, outputs)
+        self.sup = Supervisor({**spec, "requests": requests, "outputs": outputs}, supervision)
+        self.serving = False
+        self.retired = False
+        self.fd: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"replica {self.index}"
+
+    def send(self, msg: P.Message) -> bool:
+        """False when its queue is full."""
+        try:
+            self.push.send(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def close(self) -> None:
+        self.sup.stop()
+        self.push.close()
+        self.pull.close()
+
+
+def cpu_shares(replicas: int) -> list[list[int] | None]:
+    """The cores of each replica: None (all of this process's) for a single one."""
+    if replicas == 1:
+        return [None]
+    return split_cpus(sorted(os.sched_getaffinity(0)), replicas)
