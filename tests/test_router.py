@@ -231,3 +231,22 @@ def test_spread_answers_merge_into_one_reply():
     assert [(n["id"], n["parent"], n["replica"]) for n in merged.nodes] == [(0, None, 0), (1, 0, 0),
                                                                             (2, None, 2)]
     assert merged.requests == [{"rid": "a", "replica": 0}]
+
+
+def test_the_metrics_show_each_replica_and_the_router():
+    from stemma.serve.metrics import Metrics
+    router = Router(2, Routing())
+    router.choose([1, 2], None, None, [0, 0], [True, True])
+    replicas = {i: {"running": i + 1, "prompt_tokens": 10 * i, "cached_tokens": i, "pool_usage": 0.5}
+                for i in range(2)}
+    info = merge({i: P.Info(rid="s", model="m", context_length=8, vocab_size=9, stats=st)
+                  for i, st in replicas.items()}, router.stats())
+    metrics = Metrics()
+    metrics.on_stats(info.stats)
+    text = metrics.render().decode()
+    assert "stemma:num_requests_running 3.0" in text  # the sum
+    assert 'stemma:replica_num_requests_running{replica="1"} 2.0' in text
+    assert 'stemma:replica_cached_tokens{replica="1"} 1.0' in text
+    assert 'stemma:router_requests{replica="0"} 1.0' in text
+    assert 'stemma:router_decisions{reason="load"} 1.0' in text
+    assert 'stemma:router_tree_tokens{replica="0",tree="approx"} 2.0' in text

@@ -15,8 +15,9 @@ reason "error" and meta["error"] in its Finished, as before.
 
 Run as `python -m stemma.engine.process` with a JSON spec on stdin: `engine` (the
 EngineConfig fields), `requests` and `outputs` (the gateway's addresses), and for a replica of
-several (serve --dp) `cpus` (the cores it runs on, one thread each) and `cache_events` (send the
-radix tree's changes, CacheEvents, for the gateway's cache-aware router).
+several (serve --dp) `cpus` (the cores it runs on, one thread each) or, on a Ray node, `threads`,
+and `cache_events` (send the radix tree's changes, CacheEvents, for the gateway's cache-aware
+router).
 """
 from __future__ import annotations
 
@@ -236,9 +237,10 @@ def main(spec_json: str | None = None) -> int:
     if cpus:  # a replica of several (serve --dp): its own share of the cores
         os.sched_setaffinity(0, cpus)
     from stemma.engine.engine import Engine
-    if cpus:
+    threads = len(cpus) if cpus else spec.get("threads")
+    if threads:
         import torch
-        torch.set_num_threads(len(cpus))
+        torch.set_num_threads(threads)
     try:
         engine = Engine(**spec["engine"])
     except (ValueError, FileNotFoundError, ImportError) as exc:

@@ -38,6 +38,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -87,6 +88,9 @@ class GatewaySpec:
     served_model_name: str | None = None
     dp: int = 1                    # engine replicas (serve.replica)
     routing: Routing = dataclasses.field(default_factory=Routing)
+    ray_address: str | None = None # place the replicas as Ray actors (serve.ray_replicas)
+    ray_num_cpus: float = 1.0      # each actor's resource request
+    ray_num_gpus: float = 0.0
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024:
@@ -108,9 +112,11 @@ class GatewaySpec:
     def engine_spec(self, cpus: list[int] | None = None) -> dict[str, Any]:
         """An engine process's spec (stemma.engine.process reads it on stdin), less its two
         addresses (the replica's own)."""
-        spec = {"engine": self.engine, "log_level": self.log_level}
+        spec: dict[str, Any] = {"engine": self.engine, "log_level": self.log_level}
         if self.dp > 1:
             spec.update(cpus=cpus, cache_events=self.routing.router == "cache_aware")
+        if self.ray_address is not None:  # on a Ray node: the actor's CPUs, no pinning
+            spec.update(cpus=None, threads=max(1, int(self.ray_num_cpus)))
         return spec
 
 
@@ -119,9 +125,7 @@ class Gateway:
         self.spec = spec
         self.ctx = ctx
         self.key = spec.api_key.encode() if spec.api_key else None
-        self.replicas = [Replica(i, ctx, address(spec.requests, i), address(spec.outputs, i),
-                                 spec.engine_spec(cpus), spec.supervision)
-                         for i, cpus in enumerate(cpu_shares(spec.dp))]  # started by start_engine
+        self.replicas = self._make_replicas()  # their engines start in start_engine
         self._by_pull = {r.pull: r for r in self.replicas}
         self.replica_router = Router(spec.dp, spec.routing)
         self.routes = Routes()
@@ -138,6 +142,23 @@ class Gateway:
         self.stalled: set[bytes] = set()     # ZeroMQ peers found not reading in this burst
         self.vanished: set[bytes] = set()    # ZeroMQ peers found unroutable in this burst
         self.owed: dict[bytes, list[P.ErrorMsg]] = {}  # cut-off peers: errors to send when they read
+
+    def _make_replicas(self) -> list[Replica]:
+        spec = self.spec
+        if spec.ray_address is None:
+            return [Replica(i, self.ctx, address(spec.requests, i), address(spec.outputs, i),
+                            spec.engine_spec(cpus), spec.supervision)
+                    for i, cpus in enumerate(cpu_shares(spec.dp))]
+        from stemma.serve import ray_replicas
+        ray_replicas.connect(spec.ray_address)
+        where = f"tcp://{ray_replicas.node_address()}:*"
+
+        def actor(i: int):
+            return lambda engine: ray_replicas.RaySupervisor(
+                engine, spec.supervision, f"stemma-engine-{os.getpid()}-{i}", spec.ray_num_cpus,
+                spec.ray_num_gpus)
+        return [Replica(i, self.ctx, where, where, spec.engine_spec(), spec.supervision, actor(i))
+                for i in range(spec.dp)]
 
     @property
     def serving(self) -> bool:
@@ -172,7 +193,8 @@ class Gateway:
                 msg = P.decode(sock.recv(), max_bytes=1 << 62)
                 if isinstance(msg, P.EngineReady):
                     ready[replica.index] = msg
-                    replica.sup.on_ready()
+                    replica.sup.on_ready(msg.pid)
+                    replica.pid = msg.pid
                     continue
                 replica.sup.heard()  # a ready one waits for the others: heartbeats, cache events
                 for item in msg.items if isinstance(msg, P.Batch) else ():
@@ -326,12 +348,16 @@ class Gateway:
         """A restarted engine is ready: requests go to it again."""
         replica = self.replicas[index]
         if replica.serving:
-            logger.warning("an EngineReady from pid %d while %s serves; ignored", ready.pid,
-                           replica.name)
-            return
+            if ready.pid == replica.pid or not hasattr(replica.sup, "replaced"):
+                logger.warning("an EngineReady from pid %d while %s serves; ignored", ready.pid,
+                               replica.name)
+                return
+            replica.sup.replaced(replica.pid, ready.pid)  # Ray restarted it before we noticed
+            self._replica_died(replica)
         was_serving = self.serving
         self.await_link(replica)
-        replica.sup.on_ready()
+        replica.sup.on_ready(ready.pid)
+        replica.pid = ready.pid
         replica.serving = True
         if self.http is not None and not was_serving:
             self.http.ready(ready, self.tokenizer)

@@ -75,6 +75,22 @@ class Metrics:
                                  registry=r)
         self.step_error = Gauge(PREFIX + "step_time_prediction_error", "Median absolute relative "
                                 "error of the step-cost model's recent predictions.", registry=r)
+        # replicas (serve --dp): each one's gauges, labelled, and the router's figures
+        self.replica_gauges = {suffix: Gauge(PREFIX + "replica_" + suffix, f"One replica's {key}.",
+                                             ("replica",), registry=r)
+                               for suffix, key in GAUGES.items()}
+        self.replica_prompt = Gauge(PREFIX + "replica_prompt_tokens", "Prompt tokens one replica "
+                                    "has taken in.", ("replica",), registry=r)
+        self.replica_cached = Gauge(PREFIX + "replica_cached_tokens", "Of those, the ones its "
+                                    "cache served.", ("replica",), registry=r)
+        self.routed = Gauge(PREFIX + "router_requests", "Requests the router sent to each "
+                            "replica.", ("replica",), registry=r)
+        self.route_reasons = Gauge(PREFIX + "router_decisions", "The router's decisions by reason "
+                                   "(cache, load, balance, program, round_robin, least_load).",
+                                   ("reason",), registry=r)
+        self.router_tree = Gauge(PREFIX + "router_tree_tokens", "Tokens in the router's view of "
+                                 "each replica's cache, by tree (exact, approx).",
+                                 ("replica", "tree"), registry=r)
 
     def on_finished(self, finish_reason: str | None, meta: dict[str, Any]) -> None:
         """One finished sequence (a Finished message's reason and meta)."""
@@ -104,6 +120,22 @@ class Metrics:
         for suffix, key in GAUGES.items():
             if key in stats:
                 self.gauges[suffix].set(stats[key])
+        for replica in stats.get("replicas") or ():
+            label = str(replica["replica"])
+            for suffix, key in GAUGES.items():
+                if key in replica:
+                    self.replica_gauges[suffix].labels(replica=label).set(replica[key])
+            self.replica_prompt.labels(replica=label).set(replica.get("prompt_tokens", 0))
+            self.replica_cached.labels(replica=label).set(replica.get("cached_tokens", 0))
+        router = stats.get("router")
+        if router:
+            for i, count in enumerate(router["routed"]):
+                self.routed.labels(replica=str(i)).set(count)
+            for reason, count in router["reasons"].items():
+                self.route_reasons.labels(reason=reason).set(count)
+            for tree, sizes in router["tree_tokens"].items():
+                for i, size in enumerate(sizes):
+                    self.router_tree.labels(replica=str(i), tree=tree).set(size)
         cost = stats.get("step_cost") or {}
         for gauge, key, scale in ((self.step_predicted, "last_predicted_ms", 1e-3),
                                   (self.step_actual, "last_actual_ms", 1e-3),

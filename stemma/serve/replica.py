@@ -13,7 +13,7 @@ poller, if any.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -32,6 +32,11 @@ def bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
     return sock
 
 
+def _bound(sock: zmq.Socket) -> str:
+    """Where `sock` is bound (a wildcard tcp port resolved)."""
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
 def address(base: str, index: int) -> str:
     return base if index == 0 else f"{base}-{index}"
 
@@ -45,14 +50,20 @@ def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
 
 
 class Replica:
+    """`make_supervisor(spec)`: what starts and watches its engine, given the engine's full spec
+    (a local Supervisor, or a RaySupervisor for an actor); by default a local one."""
+
     def __init__(self, index: int, ctx: zmq.Context, requests: str, outputs: str,
-                 spec: dict[str, Any], supervision: Supervision):
+                 spec: dict[str, Any], supervision: Supervision,
+                 make_supervisor: Callable[[dict[str, Any]], Any] | None = None):
         self.index = index
         self.push = bind(ctx, zmq.PUSH, requests)
         self.pull = bind(ctx, zmq.PULL, outputs)
-        self.sup = Supervisor({**spec, "requests": requests, "outputs": outputs}, supervision)
+        spec = {**spec, "requests": _bound(self.push), "outputs": _bound(self.pull)}
+        self.sup = (make_supervisor or (lambda s: Supervisor(s, supervision)))(spec)
         self.serving = False
         self.retired = False
+        self.pid: int | None = None   # the engine that said it was ready
         self.fd: int | None = None
 
     @property

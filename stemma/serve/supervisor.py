@@ -120,7 +120,7 @@ class Supervisor:
         self.cause, self.ready, self.starts = None, False, self.starts + 1
         logger.debug("started the engine process (pid %d)", self.proc.pid)
 
-    def on_ready(self) -> None:
+    def on_ready(self, pid: int | None = None) -> None:
         self.ready = True
         self.last_heard = self.clock()
 

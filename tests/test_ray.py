@@ -1,0 +1,88 @@
+"""Replicas placed by Ray (issue 20): a local Ray head on 127.0.0.1, two replicas of a tiny llama
+placed on it as actors, one actor killed through Ray: its requests fail, the other replica
+serves on, and Ray restarts it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import stemma
+from stemma.client.core import ServerError
+from stemma.serve.router import Routing
+from tests.served import ENGINE, free_port
+from tests.tiny_models import build_tiny
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'stemma[ray]'")
+
+GREEDY = dict(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+LONG = dict(temperature=0.0, max_new_tokens=1500, ignore_eos=True)
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = build_tiny("llama", tmp_path_factory.mktemp("ray_llama"))
+    return str(save_tiny_tokenizer(path))
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """`ray start --head` on 127.0.0.1 (its own port), stopped after the module."""
+    port = free_port()
+    subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                    "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                    "--object-store-memory", str(100 << 20)],
+                   check=True, timeout=180, capture_output=True, env=os.environ)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([RAY, "stop", "--force"], timeout=120, capture_output=True)
+
+
+def replica_pids(client) -> list[int]:
+    return [r["pid"] for r in client.info(timeout=10)["stats"]["replicas"]]
+
+
+def test_two_ray_placed_replicas_serve_and_ray_restarts_a_killed_one(folder, ray_head):
+    with stemma.Runtime(folder, dp=2, ray_address=ray_head, routing=Routing(router="round_robin"),
+                        start_timeout=300, **ENGINE) as rt:
+        client = rt.client
+        before = replica_pids(client)
+        outs = [client.generate([5, 6, 9], GREEDY, timeout=60) for _ in range(2)]  # one on each
+        assert outs[0].token_ids == outs[1].token_ids
+        assert client.info()["stats"]["router"]["routed"] == [1, 1]
+        streams = [client.stream([5, 6, 7 + i], LONG, timeout=60) for i in range(2)]  # 0, then 1
+        assert all(isinstance(next(iter(s)), str) for s in streams)
+        ray.init(address=ray_head, namespace="stemma", log_to_driver=False)
+        try:
+            actor = ray.get_actor(f"stemma-engine-{rt._procs.gateway.pid}-1")
+            ray.kill(actor, no_restart=False)
+            outcome = []
+            for stream in streams:
+                try:
+                    outcome.append(("done", len("".join(stream))))
+                except ServerError as exc:
+                    outcome.append((exc.code, str(exc)))
+            assert [o[0] for o in outcome] == ["done", "engine_dead"], outcome
+            assert "replica 1" in outcome[1][1]
+            assert client.generate([5, 6], GREEDY, timeout=60).token_ids  # replica 0 serves on
+            deadline = time.monotonic() + 180
+            while True:
+                with contextlib.suppress(ServerError, TimeoutError):
+                    pids = replica_pids(client)
+                    if len(pids) == 2 and pids[1] != before[1]:
+                        break
+                assert time.monotonic() < deadline, "Ray did not restart replica 1"
+                time.sleep(0.3)
+            assert pids[0] == before[0]
+            again = [client.generate([5, 6, 9], GREEDY, timeout=60) for _ in range(2)]
+            assert [o.token_ids for o in again] == [outs[0].token_ids] * 2
+        finally:
+            ray.shutdown()
