@@ -39,6 +39,8 @@ class EngineConfig:
                                "fastest plan that passes the quality gate (stemma.loader.quantize)")
     int4_group_size: int = one_of(64, INT4_GROUP_SIZES, "weights per int4 scale and zero point")
     device: str = doc("auto", "auto, cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    tp: int = doc(1, "tensor-parallel ranks: one engine over this many processes, each holding a "
+                     "slice of every matrix (gloo on CPU, NCCL on CUDA, rank k on cuda:k)")
     kv_pool_tokens: int = doc(65536, "KV cache slots (tokens) shared by all requests and the "
                                      "radix cache")
     max_running_requests: int = doc(128, "most requests in one batch")
@@ -145,6 +147,11 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.speculative.startswith("draft:"):
+            raise ValueError("speculative=draft:<model> does not run with tp > 1 (the draft model "
+                             "is not split); use ngram or none")
         if not 0.0 <= self.kv_reserve_ratio <= 1.0:
             raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {self.kv_reserve_ratio}")
         if self.dynamic_wait_ms < 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -23,6 +24,7 @@ from stemma.engine.warmup import warm_up
 from stemma.executor import tuning
 from stemma.executor.executor import Executor, fault_text
 from stemma.executor.runner import ModelRunner, RunnerConfig
+from stemma.executor.tensor_parallel import Workers
 from stemma.loader.model import LoadedModel, load_model
 from stemma.outputs import RequestOutput
 from stemma.program_call import ProgramCall
@@ -64,6 +66,13 @@ def as_params(params: SamplingParams | dict | None) -> SamplingParams:
     return params
 
 
+def start_workers(cfg: EngineConfig, device: torch.device, runner: dict[str, Any]) -> Workers:
+    """Ranks 1..tp-1 of a tensor-parallel engine, loading the same model with the same options."""
+    dtype = cfg.dtype if isinstance(cfg.dtype, str) else str(cfg.dtype).removeprefix("torch.")
+    return Workers(cfg.tp, device, {"path": cfg.model, "dtype": dtype, "quantization": cfg.quantization,
+                                    "int4_group_size": cfg.int4_group_size}, runner)
+
+
 def is_single(prompts: object) -> bool:
     return isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts) > 0
                                         and all(isinstance(t, int) for t in prompts))
@@ -83,13 +92,25 @@ class Engine:
     def __init__(self, model: str | None = None, **config: Any):
         self.config = cfg = EngineConfig.from_kwargs(model=model, **config)
         device = resolve_device(cfg.device)
-        self.loaded = load_model(cfg.model, cfg.dtype, device, cfg.quantization, cfg.int4_group_size)
+        runner_config = dict(kv_pool_tokens=cfg.kv_pool_tokens, max_running_requests=cfg.max_running_requests,
+                             max_context=cfg.max_context, attention_backend=cfg.attention_backend)
+        self.tp_workers = start_workers(cfg, device, runner_config) if cfg.tp > 1 else None
+        try:
+            self.loaded = load_model(cfg.model, cfg.dtype, device, cfg.quantization, cfg.int4_group_size,
+                                     tp=self.tp_workers.tp if self.tp_workers else None)
+            if self.tp_workers is not None:
+                self.tp_workers.join()
+        except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
+            raise
         self.dispatch = tuning.tune(self.loaded.model)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, RunnerConfig(
-            kv_pool_tokens=cfg.kv_pool_tokens, max_running_requests=cfg.max_running_requests,
-            max_context=cfg.max_context, attention_backend=cfg.attention_backend,
-            compile_decode=cfg.compile_decode))
+            **runner_config, compile_decode="off" if cfg.tp > 1 else cfg.compile_decode),
+            workers=self.tp_workers)
+        if self.tp_workers is not None:  # the workers stop with this engine
+            weakref.finalize(self, self.tp_workers.close)
         self.eos_token_ids = eos_ids(self.loaded)
         generator = None
         if cfg.random_seed is not None:

@@ -11,6 +11,7 @@ from stemma.executor.compiled_decode import CompiledDecode, resolve_mode
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool, ReqToSlot
 from stemma.models.layers import ForwardContext
+from stemma.executor.tensor_parallel import Workers
 from stemma.loader.model import LoadedModel
 
 
@@ -32,8 +33,13 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: RunnerConfig = RunnerConfig()):
+    """`workers`: the other ranks of a tensor-parallel engine (executor.tensor_parallel), sent
+    every forward before this rank runs its own."""
+
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig = RunnerConfig(),
+                 workers: Workers | None = None):
         self.loaded = loaded
+        self.workers = workers
         self.model = loaded.model
         self.spec = spec = loaded.spec
         self.config = config
@@ -52,6 +58,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [K, vocab] at fb.logits_indices (model dtype; see CausalLM.forward)."""
+        if self.workers is not None:
+            self.workers.send(fb)
         compiled = self.compiled
         if compiled is not None and compiled.wants(fb):
             logits = compiled.forward(fb)

@@ -11,7 +11,9 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from stemma.engine_config import QUANTIZATIONS
 from stemma.loader import quantize
+from stemma.models import parallel
 from stemma.models.causal_lm import CausalLM
+from stemma.models.parallel import TensorParallel
 from stemma.models.spec import ModelSpec, spec_from_config
 from stemma.progress import stage
 from stemma.registry import MODEL_FAMILIES
@@ -46,12 +48,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def build_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device) -> tuple[CausalLM, ModelSpec]:
+                device: torch.device, tp: TensorParallel | None = None) -> tuple[CausalLM, ModelSpec]:
+    """The model with `tensors` loaded; with `tp`, rank tp.rank's slice of it (`tensors` already
+    sliced: models.parallel.shard_tensors) and its spec."""
     spec = spec_from_config(config)
-    stage(logger, "building the %s model (%d layers, %s, %s)", spec.model_type, spec.num_layers,
-          str(dtype).removeprefix("torch."), device)
+    if tp is not None:
+        full, spec = spec, parallel.shard_spec(spec, tp)
+    stage(logger, "building the %s model (%d layers, %s, %s%s)", spec.model_type, spec.num_layers,
+          str(dtype).removeprefix("torch."), device,
+          f", rank {tp.rank} of tp={tp.size}" if tp is not None else "")
     with torch.device("meta"):
         model = MODEL_FAMILIES.get(spec.family)(spec, config)
+        if tp is not None:
+            parallel.parallelize(model, full, tp)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(tensors)
     return model.eval().requires_grad_(False), spec
@@ -79,9 +88,9 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str = "none",
-               int4_group_size: int = 64) -> LoadedModel:
+               int4_group_size: int = 64, tp: TensorParallel | None = None) -> LoadedModel:
     """Loads `path` (None: the default Gemma 3 270M GGUF) onto `device`, its matrices held as
-    `quantization` says (see stemma.loader.quantize)."""
+    `quantization` says (see stemma.loader.quantize); with `tp`, this rank's slice of it."""
     if path is None:
         from stemma.loader.gguf.loader import default_model_path
         stage(logger, "locating the default model (Gemma 3 270M, from its PyPI package)")
@@ -96,10 +105,18 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         raise ValueError(f"quantization={quantization} runs on CPU only (torch's weight-only kernels); "
                          f"use quantization=none on {device.type}")
     config, tokenizer, tensors, qtypes = read_checkpoint(Path(path), torch.float32 if quantized else dt)
-    model, spec = build_model(config, tensors, torch.float32 if quantized else dt, device)
+    row_absmax = {}
+    if tp is not None:
+        full = spec_from_config(config)
+        parallel.check(full, tp.size)
+        row_absmax = parallel.row_absmax(tensors) if quantized else {}
+        tensors = parallel.shard_tensors(tensors, full, tp)
+    model, spec = build_model(config, tensors, torch.float32 if quantized else dt, device, tp)
     stores = {name: "dense" for name in model.matrices()}
     if quantized:
         stage(logger, "choosing the store of each weight matrix (quantization=%s)", quantization)
-        stores = quantize.apply(model, quantize.plan(model, quantization, qtypes), dt, int4_group_size)
+        row_absmax = {model._map_name(name)[0].removesuffix(".weight"): t for name, t in row_absmax.items()}
+        stores = quantize.apply(model, quantize.plan(model, quantization, qtypes), dt, int4_group_size,
+                                row_absmax)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, spec=spec, source=str(path),
                        stores=stores)

@@ -63,24 +63,28 @@ def plan(model: CausalLM, quantization: str, qtypes: dict[str, str] | None) -> d
 
 
 def store_for(kind: str, weight: torch.Tensor, dtype: torch.dtype, group_size: int,
-              tied: bool) -> DenseWeight | Int8Weight | Int4Weight:
+              tied: bool, absmax: torch.Tensor | None = None) -> DenseWeight | Int8Weight | Int4Weight:
     """The store of `kind` for float32 `weight`; int4 falls back to int8 where the CPU kernel
-    does not take the shape (or, for the tied embedding, where its row layout is not the known one)."""
+    does not take the shape (or, for the tied embedding, where its row layout is not the known one).
+    `absmax`: int8's per-row magnitudes, when `weight` is a slice of wider rows (tensor parallel)."""
     if kind == "int4" and Int4Weight.supports(weight, group_size) and (not tied or check_int4_layout()):
         return Int4Weight.quantize(weight, dtype, group_size)
     if kind in ("int4", "int8"):
-        return Int8Weight.quantize(weight, dtype)
+        return Int8Weight.quantize(weight, dtype, absmax)
     return DenseWeight(weight.to(dtype))
 
 
-def apply(model: CausalLM, kinds: dict[str, str], dtype: torch.dtype, group_size: int) -> dict[str, str]:
+def apply(model: CausalLM, kinds: dict[str, str], dtype: torch.dtype, group_size: int,
+          row_absmax: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """Puts every matrix of `model` (loaded in float32) in its store, and the rest of the model in
-    `dtype`. Returns module name -> the store kind each got."""
+    `dtype`. Returns module name -> the store kind each got. `row_absmax`: module name -> the
+    whole rows' magnitudes of a matrix that holds a slice of its columns (see store_for)."""
     got = {}
     tied = model.lm_head is None
     for name, matrix in model.matrices().items():
         weight = matrix.weight.detach()
-        store = store_for(kinds[name], weight, dtype, group_size, tied and name == "model.embed_tokens")
+        store = store_for(kinds[name], weight, dtype, group_size, tied and name == "model.embed_tokens",
+                          (row_absmax or {}).get(name))
         if isinstance(store, DenseWeight):
             matrix.weight.data = store.weight
             matrix.store = None

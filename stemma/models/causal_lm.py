@@ -47,6 +47,7 @@ class CausalLM(nn.Module):
                   for i in range(spec.num_layers)]
         self.model = DecoderStack(spec, layers, self.norm_offset)
         self._cached_by: list | None = None   # refresh_cached's calls, found on first use
+        self.tp = None  # a rank of a tensor-parallel model (models.parallel.parallelize)
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -80,6 +81,8 @@ class CausalLM(nn.Module):
         h = (ctx.decoder or self.decoder)(self.embed(ctx.batch.input_ids), ctx)
         h = self.model.norm(h[ctx.batch.logits_indices])
         logits = self.output_matrix().matmul(h)
+        if self.tp is not None:  # each rank's vocabulary slice, joined (the padding cut off)
+            logits = self.tp.all_gather_last(logits)[:, :self.spec.vocab_size]
         cap = self.spec.final_logit_softcap
         if cap:
             logits = torch.tanh(logits.float() / cap) * cap

@@ -87,14 +87,19 @@ class Matrix(nn.Module):
 
 
 class Linear(Matrix):
-    """y = x W^T + b, with parameters named as torch.nn.Linear's."""
+    """y = x W^T + b, with parameters named as torch.nn.Linear's. A row-parallel one
+    (`reduce`, a models.parallel.TensorParallel) sums its ranks' partial products before the
+    bias (which only rank 0 holds non-zero)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.reduce = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
+        if self.reduce is not None:
+            y = self.reduce.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -104,6 +109,13 @@ class Embedding(Matrix):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
+        self.vocab = None  # vocab-parallel: (first token id held here, its TensorParallel)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weights().rows(input_ids)
+        if self.vocab is None:
+            return self.weights().rows(input_ids)
+        first, tp = self.vocab
+        local = input_ids - first
+        held = (local >= 0) & (local < self.weights().shape[0])
+        rows = self.weights().rows(local.clamp(0, self.weights().shape[0] - 1))
+        return tp.all_reduce(rows * held[:, None].to(rows.dtype))  # each token from its rank

@@ -115,11 +115,13 @@ class Int8Weight:
         self.q, self.scales = q, scales
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype,
+                 absmax: torch.Tensor | None = None) -> Int8Weight:
+        """`absmax`: each row's largest magnitude, when `weight` holds a slice of wider rows."""
         w = weight.float()
         # the scale as the kernel will see it (rounded to `dtype`), so each weight is off by at
         # most half a step
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)
+        scales = ((w.abs().amax(dim=1) if absmax is None else absmax) / 127.0).clamp(min=1e-12).to(dtype)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         return cls(q, scales)
 
