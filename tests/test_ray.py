@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,16 +36,35 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """`ray start --head` on 127.0.0.1 (its own port), stopped after the module."""
+    """The address of a Ray head of its own on 127.0.0.1: `ray start --head --block`, which stops
+    exactly the processes it started when it is interrupted (`ray stop` would stop every Ray
+    cluster of this user)."""
     port = free_port()
-    subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                    "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
-                    "--object-store-memory", str(100 << 20)],
-                   check=True, timeout=180, capture_output=True, env=os.environ)
+    proc = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+                             "--port", str(port),
+                             "--num-cpus", "2", "--include-dashboard", "false",
+                             "--disable-usage-stats", "--object-store-memory", str(100 << 20)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # no token to share
     try:
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            assert proc.poll() is None, f"ray start exited with status {proc.returncode}"
+            assert time.monotonic() < deadline, "the Ray head did not come up"
+            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], timeout=120, capture_output=True)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
 
 
 def replica_pids(client) -> list[int]:

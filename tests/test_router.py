@@ -1,6 +1,8 @@
 """The replica router (issue 20): its prefix index against a naive set of prefixes, the exact
 mirror of an engine radix tree fed by that tree's own events, the policies, and the merging of
 spread answers."""
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -250,3 +252,16 @@ def test_the_metrics_show_each_replica_and_the_router():
     assert 'stemma:router_requests{replica="0"} 1.0' in text
     assert 'stemma:router_decisions{reason="load"} 1.0' in text
     assert 'stemma:router_tree_tokens{replica="0",tree="approx"} 2.0' in text
+
+
+def test_the_dashboard_rows_name_their_replica():
+    from stemma.serve.http.dashboard import DashboardConfig, decoder, node_rows, request_rows
+    trees = {i: P.CacheTree(rid="t", nodes=[{"id": 0, "parent": None, "tokens": [5, 6], "depth": 2,
+                                             "size": 2, "hits": 1, "locks": 0}],
+                            requests=[{"rid": f"g{i}", "state": "running", "prompt_tokens": 3,
+                                       "cached_tokens": 2, "output_tokens": 1}]) for i in range(2)}
+    merged = merge(trees, {})
+    assert [r["replica"] for r in node_rows(merged.nodes, decoder(None), DashboardConfig())] == [0, 1]
+    assert [r["replica"] for r in request_rows(merged.requests)] == [0, 1]
+    page = (Path(__file__).parents[1] / "stemma/serve/http/dashboard.html").read_text()
+    assert '" on replica " + r.replica' in page and '"replica " + n.replica' in page

@@ -165,7 +165,7 @@ def node_rows(nodes: list[dict[str, Any]], decode: Decode, config: DashboardConf
                      "text": middle_cut(text, config.text_chars),
                      "prefix": head_cut(above, config.prefix_chars), "edge": tail_cut(edge, config.edge_chars),
                      "edge_tokens": len(node["tokens"]), "depth": node["depth"], "size": node["size"],
-                     "hits": node["hits"], "locks": node["locks"]})
+                     "hits": node["hits"], "locks": node["locks"], "replica": node.get("replica")})
     return rows
 
 
@@ -175,7 +175,8 @@ def request_rows(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     order = {state: i for i, state in enumerate(STATES)}
     rows = [{"rid": r.get("client_rid") or r["rid"], "engine_rid": r["rid"], "state": r["state"],
              "program": r.get("program"), "prompt_tokens": r["prompt_tokens"],
-             "cached_tokens": r["cached_tokens"], "output_tokens": r["output_tokens"]}
+             "cached_tokens": r["cached_tokens"], "output_tokens": r["output_tokens"],
+             "replica": r.get("replica")}
             for r in requests]
     return sorted(rows, key=lambda r: order.get(r["state"], len(STATES)))  # stable: keeps queue order
 
