@@ -18,6 +18,9 @@ from stemma.field_doc import doc
 _MAX_SEED = 2**63  # seeds must fit an int64 tensor
 
 
+MAX_INT = 2**63 - 1  # the wire's integers are 64-bit (msgpack): every int option fits one
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -27,6 +30,8 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    if value > MAX_INT:
+        raise ValueError(f"{name} must be < 2**63, got an int of {len(str(value))} digits")
 
 
 def _check_real(name: str, value: Any, low: float, high: float = math.inf,
@@ -66,8 +71,8 @@ def _normalize_token_ids(name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list of ints, got {value!r}")
     for item in value:
-        if not _is_int(item) or item < 0:
-            raise ValueError(f"{name} must hold ints >= 0, got {item!r}")
+        if not _is_int(item) or not 0 <= item <= MAX_INT:
+            raise ValueError(f"{name} must hold ints >= 0 and < 2**63, got {item!r}")
     return tuple(value)
 
 
@@ -83,8 +88,8 @@ def _normalize_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}")
         token, bias = item
-        if not _is_int(token) or token < 0:
-            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if not _is_int(token) or not 0 <= token <= MAX_INT:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0 and < 2**63), got {token!r}")
         _check_real("logit_bias", bias, -100.0, 100.0)
         out[token] = float(bias)
     return tuple(sorted(out.items()))

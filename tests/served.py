@@ -123,3 +123,34 @@ class HttpServed:
             for pid in self.children:
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+# ---- replicas (serve --dp) ----
+def replica_pids(client) -> list[int]:
+    """The engine pid of each replica, from the merged stats."""
+    return [r["pid"] for r in client.info(timeout=10)["stats"]["replicas"]]
+
+
+def outcomes(streams) -> list[tuple[str, object]]:
+    """Each stream read to its end: ("done", characters) or (error code, message)."""
+    from stemma.client.core import ServerError
+    out = []
+    for stream in streams:
+        try:
+            out.append(("done", len("".join(stream))))
+        except ServerError as exc:
+            out.append((exc.code, str(exc)))
+    return out
+
+
+def wait_replaced(client, before: list[int], index: int, timeout: float) -> list[int]:
+    """Waits until replica `index` serves again with another engine pid; returns the pids."""
+    from stemma.client.core import ServerError
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(ServerError, TimeoutError):
+            pids = replica_pids(client)
+            if len(pids) == len(before) and pids[index] != before[index]:
+                return pids
+        assert time.monotonic() < deadline, f"replica {index} did not come back"
+        time.sleep(0.2)

@@ -4,23 +4,19 @@ other serves on, and it comes back."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import time
 
 import pytest
 
 import stemma
-from stemma.client.core import ServerError
 from stemma.serve.router import Routing
-from tests.served import ENGINE
+from tests.served import ENGINE, outcomes, replica_pids, wait_replaced
 from tests.tiny_models import build_tiny
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 GREEDY = dict(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 LONG = dict(temperature=0.0, max_new_tokens=1500, ignore_eos=True)  # runs for seconds
-ENGINE_DP = {k: v for k, v in ENGINE.items()}
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +54,6 @@ def test_64_streams_over_two_replicas_equal_one_engine(folder):
         assert not set(shares[0]) & set(shares[1]) and sorted(shares[0] + shares[1]) == cpus
 
 
-def replica_pids(client) -> list[int]:
-    return [r["pid"] for r in client.info(timeout=10)["stats"]["replicas"]]
-
-
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(folder):
     with stemma.Runtime(folder, dp=2, routing=Routing(router="round_robin"), **ENGINE) as rt:
         client = rt.client
@@ -71,24 +63,12 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(folder):
         firsts = [next(iter(s)) for s in streams]
         assert all(isinstance(f, str) for f in firsts)
         os.kill(before[1], signal.SIGKILL)
-        outcome = []
-        for stream in streams:
-            try:
-                outcome.append(("done", len("".join(stream))))
-            except ServerError as exc:
-                outcome.append((exc.code, str(exc)))
+        outcome = outcomes(streams)
         assert [o[0] for o in outcome] == ["done", "engine_dead", "done", "engine_dead"], outcome
         assert "replica 1: the engine process was killed by signal 9" in outcome[1][1]
         # the other replica serves on, while replica 1 restarts
         assert client.generate([5, 6], GREEDY, timeout=60).token_ids
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(ServerError, TimeoutError):
-                pids = replica_pids(client)
-                if len(pids) == 2 and pids[1] != before[1]:
-                    break
-            assert time.monotonic() < deadline, "replica 1 did not come back"
-            time.sleep(0.2)
+        pids = wait_replaced(client, before, 1, timeout=120)
         assert pids[0] == before[0]
         outs = [client.generate([5, 6, 9], GREEDY, timeout=60) for _ in range(2)]  # one on each
         assert outs[0].token_ids == outs[1].token_ids

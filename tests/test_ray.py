@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 import stemma
-from stemma.client.core import ServerError
 from stemma.serve.router import Routing
-from tests.served import ENGINE, free_port
+from tests.served import ENGINE, free_port, outcomes, replica_pids, wait_replaced
 from tests.tiny_models import build_tiny
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -67,10 +66,6 @@ def _listening(port: int) -> bool:
     return False
 
 
-def replica_pids(client) -> list[int]:
-    return [r["pid"] for r in client.info(timeout=10)["stats"]["replicas"]]
-
-
 def test_two_ray_placed_replicas_serve_and_ray_restarts_a_killed_one(folder, ray_head):
     with stemma.Runtime(folder, dp=2, ray_address=ray_head, routing=Routing(router="round_robin"),
                         start_timeout=300, **ENGINE) as rt:
@@ -85,23 +80,11 @@ def test_two_ray_placed_replicas_serve_and_ray_restarts_a_killed_one(folder, ray
         try:
             actor = ray.get_actor(f"stemma-engine-{rt._procs.gateway.pid}-1")
             ray.kill(actor, no_restart=False)
-            outcome = []
-            for stream in streams:
-                try:
-                    outcome.append(("done", len("".join(stream))))
-                except ServerError as exc:
-                    outcome.append((exc.code, str(exc)))
+            outcome = outcomes(streams)
             assert [o[0] for o in outcome] == ["done", "engine_dead"], outcome
             assert "replica 1" in outcome[1][1]
             assert client.generate([5, 6], GREEDY, timeout=60).token_ids  # replica 0 serves on
-            deadline = time.monotonic() + 180
-            while True:
-                with contextlib.suppress(ServerError, TimeoutError):
-                    pids = replica_pids(client)
-                    if len(pids) == 2 and pids[1] != before[1]:
-                        break
-                assert time.monotonic() < deadline, "Ray did not restart replica 1"
-                time.sleep(0.3)
+            pids = wait_replaced(client, before, 1, timeout=180)  # Ray restarted it
             assert pids[0] == before[0]
             again = [client.generate([5, 6, 9], GREEDY, timeout=60) for _ in range(2)]
             assert [o.token_ids for o in again] == [outs[0].token_ids] * 2

@@ -62,7 +62,10 @@ def test_fewer_kv_heads_than_ranks_are_replicated(folder):
     finish_clean(four)
 
 
-@pytest.mark.parametrize("case", ["batched", "radix_off", "chunked_32", "policy_sjf", "kv_pressure"])
+# batched and kv_pressure (with retraction) run by default; the other cases with -m slow
+@pytest.mark.parametrize("case", ["batched", pytest.param("radix_off", marks=pytest.mark.slow),
+                                  pytest.param("chunked_32", marks=pytest.mark.slow),
+                                  pytest.param("policy_sjf", marks=pytest.mark.slow), "kv_pressure"])
 def test_greedy_invariance_at_tp2(folder, reference, case):
     options = CASES.get(case, {})
     if case == "kv_pressure":
@@ -95,6 +98,15 @@ def test_workers_hold_a_slice_and_stop_with_their_engine(folder):
     del engine
     gc.collect()
     assert proc.wait(20) == 0
+
+
+def test_a_dead_rank_stops_the_engine_with_its_name(folder):
+    engine = make(folder, tp=2)
+    (proc,) = engine.tp_workers.procs
+    proc.kill()
+    proc.wait()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited"):
+        engine.generate(prompts()[0], GREEDY)
 
 
 def test_a_model_that_does_not_split_is_refused(folder):

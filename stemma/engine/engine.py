@@ -195,6 +195,8 @@ class Engine:
         try:
             out = self.executor.run(plan)
         except Exception as exc:  # not tied to one request: the step's requests fail, not the engine
+            if self.tp_workers is not None:  # ... unless a rank is gone: then the engine is
+                self.tp_workers.raise_if_dead()
             return self.scheduler.fail_step(plan, exc)
         touched = self.scheduler.postprocess(plan, out)
         seconds = time.perf_counter() - start
