@@ -20,6 +20,8 @@ _LAZY = {
     "RequestTimeout": ("stemma.client.core", "RequestTimeout"),
     "Unreachable": ("stemma.client.core", "Unreachable"),
     "Runtime": ("stemma.serve.runtime", "Runtime"),
+    "Routing": ("stemma.serve.router", "Routing"),
+    "Supervision": ("stemma.serve.supervisor", "Supervision"),
     # the frontend language (with SGLang's names: `import stemma as sgl`, docs/from-sglang.md)
     **{name: ("stemma.lang", name) for name in (
         "function", "gen", "select", "fork", "system", "user", "assistant", "system_begin",
