@@ -15,10 +15,8 @@ from typing import Any, Mapping
 
 from stemma.field_doc import doc
 
-_MAX_SEED = 2**63  # seeds must fit an int64 tensor
-
-
-MAX_INT = 2**63 - 1  # the wire's integers are 64-bit (msgpack): every int option fits one
+INT_LIMIT = 2**63  # every int option and token id is below it: the wire's ints (msgpack) and
+                   # int64 tensors (seeds) hold 64 bits
 
 
 def _is_int(value: Any) -> bool:
@@ -30,7 +28,7 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
-    if value > MAX_INT:
+    if value >= INT_LIMIT:
         raise ValueError(f"{name} must be < 2**63, got an int of {len(str(value))} digits")
 
 
@@ -71,7 +69,7 @@ def _normalize_token_ids(name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list of ints, got {value!r}")
     for item in value:
-        if not _is_int(item) or not 0 <= item <= MAX_INT:
+        if not _is_int(item) or not 0 <= item < INT_LIMIT:
             raise ValueError(f"{name} must hold ints >= 0 and < 2**63, got {item!r}")
     return tuple(value)
 
@@ -88,7 +86,7 @@ def _normalize_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}")
         token, bias = item
-        if not _is_int(token) or not 0 <= token <= MAX_INT:
+        if not _is_int(token) or not 0 <= token < INT_LIMIT:
             raise ValueError(f"logit_bias keys must be token ids (ints >= 0 and < 2**63), got {token!r}")
         _check_real("logit_bias", bias, -100.0, 100.0)
         out[token] = float(bias)
@@ -181,8 +179,6 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
-            if self.seed >= _MAX_SEED:
-                raise ValueError(f"seed must be < 2**63, got {self.seed}")
         _check_int("n", self.n, 1)
         _check_bool("logprobs", self.logprobs)
         _check_int("top_logprobs", self.top_logprobs, 0)

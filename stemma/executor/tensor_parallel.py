@@ -86,7 +86,7 @@ class Workers:
     def send(self, fb: ForwardBatch) -> None:
         """Has every worker run the forward of `fb` (called just before rank 0 runs its own)."""
         frame = pack(fb)
-        for rank, proc in enumerate(self.procs, start=1):
+        for proc in self.procs:
             try:
                 write_frame(proc.stdin, frame)
             except (BrokenPipeError, OSError):

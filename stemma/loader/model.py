@@ -53,14 +53,14 @@ def build_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtyp
     sliced: models.parallel.shard_tensors) and its spec."""
     spec = spec_from_config(config)
     if tp is not None:
-        full, spec = spec, parallel.shard_spec(spec, tp)
+        spec = parallel.shard_spec(spec, tp)
     stage(logger, "building the %s model (%d layers, %s, %s%s)", spec.model_type, spec.num_layers,
           str(dtype).removeprefix("torch."), device,
           f", rank {tp.rank} of tp={tp.size}" if tp is not None else "")
     with torch.device("meta"):
         model = MODEL_FAMILIES.get(spec.family)(spec, config)
         if tp is not None:
-            parallel.parallelize(model, full, tp)
+            parallel.parallelize(model, spec, tp)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(tensors)
     return model.eval().requires_grad_(False), spec

@@ -115,7 +115,8 @@ class Embedding(Matrix):
         if self.vocab is None:
             return self.weights().rows(input_ids)
         first, tp = self.vocab
+        store = self.weights()
         local = input_ids - first
-        held = (local >= 0) & (local < self.weights().shape[0])
-        rows = self.weights().rows(local.clamp(0, self.weights().shape[0] - 1))
+        held = (local >= 0) & (local < store.shape[0])
+        rows = store.rows(local.clamp(0, store.shape[0] - 1))
         return tp.all_reduce(rows * held[:, None].to(rows.dtype))  # each token from its rank

@@ -114,8 +114,10 @@ def shard_tensors(tensors: dict[str, torch.Tensor], spec: ModelSpec,
 def row_absmax(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole rows' largest magnitudes of the row-parallel weights (o_proj, down_proj): an
     int8 slice takes its per-row scale from the whole row, as the unsplit matrix does, so that
-    every rank's int8 weights are the unsplit ones' (an int4 group never straddles ranks when the
-    slice is a multiple of the group size; otherwise int4 falls back to int8 on both)."""
+    every rank's int8 weights are the unsplit ones'. int4 groups run along the rows, so a slice
+    that is a multiple of the group size keeps the unsplit groups; a slice that is not (or a
+    matrix the kernel does not take) falls back to int8 on that rank, whatever the unsplit
+    matrix got."""
     return {name: t.float().abs().amax(dim=1) for name, t in tensors.items()
             if name.endswith((".self_attn.o_proj.weight", ".mlp.down_proj.weight"))}
 
@@ -128,8 +130,8 @@ def _vocab_slice(t: torch.Tensor, first: int, rows: int) -> torch.Tensor:
 
 
 def parallelize(model: Any, spec: ModelSpec, tp: TensorParallel) -> None:
-    """Makes a model built from `shard_spec` (on the meta device, before its weights are loaded)
-    one rank of `tp`: vocab-parallel embedding and output matrix, row-parallel sums."""
+    """Makes a model built from `spec` = `shard_spec(...)` (on the meta device, before its weights
+    are loaded) one rank of `tp`: vocab-parallel embedding and output matrix, row-parallel sums."""
     from stemma.models.layers import Attention, GatedMLP
     from stemma.models.linear import Embedding, Linear
     first, rows = tp.vocab_rows(spec.vocab_size)

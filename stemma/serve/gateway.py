@@ -475,10 +475,8 @@ class Gateway:
         if now < self.next_stats:
             return
         self.next_stats = now + STATS_PERIOD_S
-        rid = f"stats-{now}"
-        expect = {r.index for r in self.replicas if r.serving}
-        self.forward(STATS_PEER, P.GetInfo(rid=rid, check_pool=False),
-                     Pending(STATS_PEER, rid, P.GetInfo.TAG, replica=-1, expect=expect))
+        msg = P.GetInfo(rid=f"stats-{now}", check_pool=False)
+        self.forward(STATS_PEER, msg, self._spread(STATS_PEER, msg))
 
     def on_stats(self, msg: P.Message) -> None:
         if isinstance(msg, P.Info):
@@ -526,8 +524,9 @@ class Gateway:
             self.on_generate(peer, msg)
         elif isinstance(msg, P.Abort):
             gid = self.routes.find(peer, msg.rid)
-            if gid is not None and self.routes.get(gid).replica >= 0:
-                self.to_engine(self.routes.get(gid).replica, peer, msg.rid, P.Abort(rid=gid))
+            replica = self.routes.get(gid).replica if gid is not None else -1
+            if replica >= 0:  # a spread request (stats, flush) has nothing to abort
+                self.to_engine(replica, peer, msg.rid, P.Abort(rid=gid))
         elif isinstance(msg, P.EndProgram):  # no reply, not even "overloaded": a hint only
             index = self.replica_router.end_program(msg.program_id)
             for replica in self.replicas:
@@ -536,8 +535,12 @@ class Gateway:
         elif isinstance(msg, P.Health):  # to one replica: any that serves answers for the server
             self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG, replica=self._least_loaded()))
         else:  # stats, flushes, cache trees: every serving replica's, merged (serve.fanout)
-            expect = {r.index for r in self.replicas if r.serving}
-            self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG, replica=-1, expect=expect))
+            self.forward(peer, msg, self._spread(peer, msg))
+
+    def _spread(self, peer: bytes | int, msg: P.Message) -> Pending:
+        """`msg` for every serving replica: one Pending that waits for each one's answer."""
+        return Pending(peer, msg.rid, msg.TAG, replica=-1,
+                       expect={r.index for r in self.replicas if r.serving})
 
     def on_generate(self, peer: bytes | int, msg: P.GenerateReq) -> None:
         try:

@@ -90,8 +90,9 @@ class Router:
             self.programs[program] = index
             if len(self.programs) > MAX_PROGRAMS:
                 del self.programs[next(iter(self.programs))]
-        self.approx[index].store(ids, salt)
-        self.approx[index].evict_lru(self.routing.approx_max_tokens)
+        if self.routing.router == "cache_aware":  # only cache_aware reads (or compares) it
+            self.approx[index].store(ids, salt)
+            self.approx[index].evict_lru(self.routing.approx_max_tokens)
         return index
 
     def _choose(self, ids, salt, program, loads, alive) -> tuple[int, str]:
