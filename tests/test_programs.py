@@ -222,6 +222,34 @@ def test_the_retention_guard_defers_new_work_that_would_evict_retained_kv():
     assert small.program.last_kv_len == 9
 
 
+def test_the_guard_frees_only_what_can_go_before_retained_kv_and_says_when_to_look_again():
+    clock = Clock()
+    programs = Programs(retention_max_s=30.0, starvation_s=5.0, clock=clock)
+    tree = RadixTree()
+    paused = call_req(programs, "paused", prompt=range(8), pause_s=2.0)
+    programs.on_finish(paused, kv_len=8)
+    tree.insert(list(range(8)), torch.arange(8), owner=paused.program)
+    tree.insert([0, 1, 2, 3, 20, 21], torch.tensor([0, 1, 2, 3, 20, 21]))
+    shared = tree.match_prefix([0, 1, 2, 3]).node
+    tree.record_hit(shared, owner=None)  # the first 4 tokens are shared now; 4..7 stay retained
+    assert shared.owner is None and tree.evictable_size == 10
+    guard = RetentionGuard(programs, tree, available=1)
+    waiting = call_req(programs, "waiting", prompt=[30, 31, 32, 33])
+    # only [20, 21] can go without the paused KV going first: the shared 4 tokens sit above it
+    assert not guard.fits(waiting, cached=0) and guard.free == 1 + 2
+    assert guard.retained == {id(paused.program): 4}
+    assert guard.wakes_at() == paused.program.keep_until   # its retention ends before 5 s pass
+    small = call_req(programs, "small", prompt=[40, 41, 42])
+    assert guard.fits(small, cached=0)
+    # while nothing runs, the KV of a program whose call waits holds nobody back
+    queued = call_req(programs, "paused", 1, prompt=[9, 9])  # its call is in flight now
+    assert RetentionGuard(programs, tree, available=1).fits(waiting, cached=0) is False
+    assert RetentionGuard(programs, tree, available=1, protect_waiting=False).fits(waiting, cached=0)
+    assert queued.program.in_flight == 1
+    clean = RetentionGuard(programs, tree, available=1)
+    assert clean.wakes_at() is None  # it refused nothing
+
+
 # ---- the policy ----
 def test_program_policy_orders_by_attained_service_resumes_first_and_bounds_starvation():
     clock = Clock()

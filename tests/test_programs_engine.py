@@ -120,3 +120,21 @@ def test_the_program_policy_serves_a_resumed_call_before_new_programs(folder):
     assert b.admitted_once and not news[-1].admitted_once
     engine.run_until_done(news + [b])
     engine.check_pool_whole()
+
+
+def test_an_idle_engine_holding_a_call_for_retained_kv_sleeps_until_the_retention_ends(folder):
+    """Nothing runs and the only waiting call would evict a paused program's KV: the scheduler
+    holds it and its idle timeout reaches to the retention's end; after it, the call runs."""
+    from stemma.engine.scheduler import IDLE_WAIT_S
+    engine = stemma.Engine(folder, kv_pool_tokens=64, schedule_policy="program",
+                           radix_eviction="program", **OPTIONS)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0)
+    (a,) = engine.submit(list(range(10, 50)), params, call=ProgramCall("agent", 0, pause_s=0.4))
+    engine.run_until_done([a])
+    (b,) = engine.submit(list(range(60, 90)), params, call=ProgramCall("other", 0))
+    start = time.perf_counter()
+    assert engine.step() == [] and not b.admitted_once
+    assert engine.idle_timeout() > 10 * IDLE_WAIT_S
+    engine.run_until_done([b])
+    assert time.perf_counter() - start >= 0.4  # 1.5 x 0.4 s + 0.1 s of retention, less the steps
+    engine.check_pool_whole()

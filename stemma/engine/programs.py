@@ -12,11 +12,13 @@ program-aware parts read:
   those, first the program expected back last, and last those with a call in flight (as KVFlow
   orders by steps until reuse, where LRU would evict the program paused longest, the one most
   likely back soonest);
-- with both, admission respects retention (`RetentionGuard`): while other requests run, a
-  waiting request that would have to evict KV retained for other programs, or take the room the
-  active programs' next calls are expected to grow into, waits, unless it resumes its own program
-  or has starved. Running requests are never held back by it: their growth evicts retained KV,
-  last.
+- with both, admission respects retention (`RetentionGuard`): a waiting request that would have
+  to evict KV retained for other programs, or take the room the active programs' next calls are
+  expected to grow into, waits, unless it resumes its own program or has starved. While nothing
+  runs, only the KV of paused programs (expected back) holds a call back, never the KV of
+  programs whose own calls wait in the queue, so waiting calls cannot hold each other up; the
+  engine then sleeps until that retention ends, a held call starves, or a call arrives. Running
+  requests are never held back by it: their growth evicts retained KV, last.
 
 Retention: when a call that `continues` finishes, the program's KV is kept until `keep_until` =
 now + a time-to-live of `RETENTION_FACTOR` x the pause expected before its next call, plus
@@ -198,10 +200,13 @@ class Programs:
         """The mean KV tokens a program's call adds to its context (0 before any is measured)."""
         return statistics.fmean(self.recent_growth) if self.recent_growth else 0.0
 
-    def starved(self, req: Request) -> bool:
-        """Whether req has waited past the starvation bound (its program's, or the engine's)."""
+    def starves_at(self, req: Request) -> float:
+        """When req will have waited past the starvation bound (its program's, or the engine's)."""
         bound = req.program.starve_after_s if req.program is not None else self.starvation_s
-        return self.clock() - req.arrival > bound
+        return req.arrival + bound
+
+    def starved(self, req: Request) -> bool:
+        return self.clock() > self.starves_at(req)
 
     @staticmethod
     def resumed(req: Request, cached: int) -> bool:
@@ -236,17 +241,22 @@ class Programs:
 
 class RetentionGuard:
     """One step's admission check against retained KV (module docstring). `free` is what
-    admissions may take without evicting retained KV: free slots plus evictable tokens not
-    retained, less the growth the active programs' next calls are expected to add (one mean
-    growth each). Made on the first check of the step (a step that checks nothing walks no tree);
-    each admission takes its uncached tokens from `free`."""
+    admissions may take without evicting retained KV: free slots plus the unlocked tokens that
+    can go without any retained token going first (a node above retained KV is evicted only
+    after it), less the growth the active programs' next calls are expected to add (one mean
+    growth each). With `protect_waiting` off (nothing runs), the KV of programs whose calls wait
+    in the queue is not retained here. Made on the first check of the step (a step that checks
+    nothing walks no tree); each admission takes its uncached tokens from `free`."""
 
-    def __init__(self, programs: Programs, tree: RadixTree, available: int):
+    def __init__(self, programs: Programs, tree: RadixTree, available: int, protect_waiting: bool = True):
         self.programs = programs
         self.tree = tree
         self.available = available
+        self.protect_waiting = protect_waiting
         self.retained: dict[int, int] | None = None  # id(program record) -> its retained tokens
         self.free = 0.0
+        self.until = math.inf  # the earliest end of a paused program's retention counted here
+        self.held: list[Request] = []  # the requests `fits` refused
 
     def fits(self, req: Request, cached: int) -> bool:
         """Whether req may be admitted now: it resumes its own program, has starved, or needs no
@@ -256,17 +266,41 @@ class RetentionGuard:
         if not self.retained:
             return True
         exempt = Programs.resumed(req, cached) or self.programs.starved(req)
-        return exempt or len(req.tokens) - cached <= self.free
+        if exempt or len(req.tokens) - cached <= self.free:
+            return True
+        self.held.append(req)
+        return False
 
     def take(self, req: Request, cached: int) -> None:
         """req was admitted: its uncached tokens are taken."""
         self.free -= len(req.tokens) - cached
 
+    def wakes_at(self) -> float | None:
+        """When a refusal of this step may turn into an admission with no new arrival: the first
+        retention counted here ends, or a refused request starves (None: nothing was refused)."""
+        if not self.held:
+            return None
+        return min(self.until, *(self.programs.starves_at(r) for r in self.held))
+
+    def _retains(self, node: Node) -> bool:
+        rec = node.owner
+        return (node.lock_ref == 0 and rec is not None and self.programs.eviction_rank(node)[0] == 3
+                and (self.protect_waiting or not rec.in_flight))
+
     def _measure(self) -> None:
         retained: dict[int, int] = defaultdict(int)
-        for node in self.tree.nodes():
-            if node.lock_ref == 0 and node.owner is not None and self.programs.eviction_rank(node)[0] == 3:
+        pinned: set[int] = set()  # nodes that are retained or hold retained KV below them
+        freeable = 0
+        for node in reversed(list(self.tree.nodes())):  # children before their parents
+            if self._retains(node):
                 retained[id(node.owner)] += len(node.key)
+                pinned.add(id(node))
+                if not node.owner.in_flight:
+                    self.until = min(self.until, node.owner.keep_until)
+            elif any(id(c) in pinned for c in node.children.values()):
+                pinned.add(id(node))
+            elif node.lock_ref == 0:
+                freeable += len(node.key)
         headroom = self.programs.active() * self.programs.growth()
-        self.free = self.available + self.tree.evictable_size - sum(retained.values()) - headroom
+        self.free = self.available + freeable - headroom
         self.retained = retained

@@ -93,6 +93,7 @@ class Scheduler:
         self.retraction = Retraction(self.running, self.waiting, cache, req_to_slot, self._release,
                                      self.counters)
         self._wake = threading.Event()  # set on new work: a request added, a guide built
+        self._held_until: float | None = None  # nothing runs and retention holds calls back until then
 
     # ---- queue ----
     def add(self, req: Request) -> None:
@@ -177,11 +178,16 @@ class Scheduler:
     def idle_timeout(self) -> float:
         """How long to wait after a step that ran nothing: until the dynamic batch window closes;
         while a guide builds, until it is built (its callback wakes `wait`; GUIDE_WAIT_S caps it);
-        else IDLE_WAIT_S."""
+        while retention holds every waiting call back and nothing runs, until it may stop holding
+        (RetentionGuard.wakes_at); else IDLE_WAIT_S."""
         window = self._window_left()
         if window is not None:
             return window
-        return GUIDE_WAIT_S if self.grammar_queue else IDLE_WAIT_S
+        if self.grammar_queue:
+            return GUIDE_WAIT_S
+        if self._held_until is not None:  # an arrival wakes `wait` sooner
+            return max(self._held_until - time.perf_counter(), IDLE_WAIT_S)
+        return IDLE_WAIT_S
 
     def wait(self, timeout: float) -> None:
         """Blocks until a request is added, a guide is built, or `timeout` seconds pass. Reads no
@@ -210,6 +216,7 @@ class Scheduler:
         admission = Admission(self.config, self.cache, self.req_to_slot, self.running, self.matches,
                               self.retraction, self.counters)
         self.target = None
+        self._held_until = None
         if self.slo.in_play(self.running) or self.slo.in_play(self.waiting):
             self._preempt_for_priority()
             self.target = self._give_way()
@@ -385,14 +392,16 @@ class Scheduler:
             logger.debug("admitted %s: %d cached, %d new this step", req.rid, req.kv_len, n)
             if n:
                 plan.add(req, n)
+        self._held_until = guard.wakes_at() if guard is not None and not self.running else None
 
     def _retention_guard(self) -> RetentionGuard | None:
-        """The program policy's check against evicting retained KV (engine.programs), while
-        something runs (so that a deferred request is looked at again next step)."""
+        """The program policy's check against evicting retained KV (engine.programs). While
+        nothing runs, the KV of programs whose calls wait is not protected from the others."""
         cfg = self.config
-        if cfg.schedule_policy != "program" or cfg.radix_eviction != "program" or not self.running:
+        if cfg.schedule_policy != "program" or cfg.radix_eviction != "program":
             return None
-        return RetentionGuard(self.programs, self.cache.tree, self.cache.allocator.available)
+        return RetentionGuard(self.programs, self.cache.tree, self.cache.allocator.available,
+                              protect_waiting=bool(self.running))
 
     def _shares_uncached_prefix(self, req: Request, computing: list[Request]) -> bool:
         if not self.cache.enabled or not computing:
