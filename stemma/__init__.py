@@ -20,6 +20,7 @@ _LAZY = {
     "RequestTimeout": ("stemma.client.core", "RequestTimeout"),
     "Unreachable": ("stemma.client.core", "Unreachable"),
     "Runtime": ("stemma.serve.runtime", "Runtime"),
+    "RayPlacement": ("stemma.serve.ray_placement", "RayPlacement"),
     "Routing": ("stemma.serve.router", "Routing"),
     "Supervision": ("stemma.serve.supervisor", "Supervision"),
     # the frontend language (with SGLang's names: `import stemma as sgl`, docs/from-sglang.md)

@@ -11,6 +11,7 @@ from stemma.lang.escapes import unescape
 from stemma.log import LEVELS, configure as configure_logging
 from stemma.progress import elapsed, stage
 from stemma.serve.launch import ServeConfig
+from stemma.serve.ray_placement import RayPlacement
 from stemma.serve.router import Routing
 from stemma.serve.supervisor import Supervision
 from stemma.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 # The commands sample greedily by default (temperature 0), unlike SamplingParams (1.0) and run():
 # a command line is for trying a model, where the same input should give the same output.
 _GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
-_SERVE_OWN_FLAGS = ("supervision", "routing")  # ServeConfig fields that are dataclasses with flags of their own
+_SERVE_OWN_FLAGS = ("supervision", "routing", "ray")  # ServeConfig fields that are dataclasses with flags of their own
 
 
 def _engine(ns):
@@ -79,9 +80,10 @@ def cmd_serve(ns) -> int:
     from stemma.serve.launch import serve
     supervision = Supervision(**collect(ns, Supervision))
     routing = Routing(**collect(ns, Routing))
+    ray = RayPlacement(**collect(ns, RayPlacement))
     return serve(EngineConfig.from_kwargs(**collect(ns, EngineConfig)),
                  ServeConfig(**collect(ns, ServeConfig, _SERVE_OWN_FLAGS), supervision=supervision,
-                             routing=routing),
+                             routing=routing, ray=ray),
                  ns.log_level)
 
 
@@ -196,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, ServeConfig, skip=_SERVE_OWN_FLAGS)
     add_dataclass_args(srv, Supervision)
     add_dataclass_args(srv, Routing)
+    add_dataclass_args(srv, RayPlacement)
     add_dataclass_args(srv, EngineConfig)
     _add_log_level(srv, "info")
     srv.set_defaults(func=cmd_serve)

@@ -67,8 +67,8 @@ def _listening(port: int) -> bool:
 
 
 def test_two_ray_placed_replicas_serve_and_ray_restarts_a_killed_one(folder, ray_head):
-    with stemma.Runtime(folder, dp=2, ray_address=ray_head, routing=Routing(router="round_robin"),
-                        start_timeout=300, **ENGINE) as rt:
+    with stemma.Runtime(folder, dp=2, ray=stemma.RayPlacement(ray_address=ray_head),
+                        routing=Routing(router="round_robin"), start_timeout=300, **ENGINE) as rt:
         client = rt.client
         before = replica_pids(client)
         outs = [client.generate([5, 6, 9], GREEDY, timeout=60) for _ in range(2)]  # one on each

@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-Key = tuple[int, ...]
+from stemma.token_keys import Key, common_len
+
 _VERSIONS = itertools.count(1)  # `RadixTree.version` values, never reused by any tree
 
 
@@ -48,17 +49,6 @@ def as_key(tokens: Sequence[int] | torch.Tensor) -> Key:
     if isinstance(tokens, torch.Tensor):
         return tuple(tokens.tolist())
     return tuple(int(t) for t in tokens)
-
-
-def common_len(edge: Key, key: Key, start: int) -> int:
-    """Length of the common prefix of `edge` and `key[start:]`."""
-    n = min(len(edge), len(key) - start)
-    if edge[:n] == key[start:start + n]:
-        return n
-    i = 0
-    while edge[i] == key[start + i]:
-        i += 1
-    return i
 
 
 class Node:

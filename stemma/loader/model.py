@@ -47,11 +47,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return names[dtype]
 
 
-def build_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_model(config: PretrainedConfig, spec: ModelSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device, tp: TensorParallel | None = None) -> tuple[CausalLM, ModelSpec]:
-    """The model with `tensors` loaded; with `tp`, rank tp.rank's slice of it (`tensors` already
-    sliced: models.parallel.shard_tensors) and its spec."""
-    spec = spec_from_config(config)
+    """The model of `spec` (config's) with `tensors` loaded; with `tp`, rank tp.rank's slice of it
+    (`tensors` already sliced: models.parallel.shard_tensors) and the slice's spec."""
     if tp is not None:
         spec = parallel.shard_spec(spec, tp)
     stage(logger, "building the %s model (%d layers, %s, %s%s)", spec.model_type, spec.num_layers,
@@ -106,12 +105,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
                          f"use quantization=none on {device.type}")
     config, tokenizer, tensors, qtypes = read_checkpoint(Path(path), torch.float32 if quantized else dt)
     row_absmax = {}
+    spec = spec_from_config(config)
     if tp is not None:
-        full = spec_from_config(config)
-        parallel.check(full, tp.size)
+        parallel.check(spec, tp.size)
         row_absmax = parallel.row_absmax(tensors) if quantized else {}
-        tensors = parallel.shard_tensors(tensors, full, tp)
-    model, spec = build_model(config, tensors, torch.float32 if quantized else dt, device, tp)
+        tensors = parallel.shard_tensors(tensors, spec, tp)
+    model, spec = build_model(config, spec, tensors, torch.float32 if quantized else dt, device, tp)
     stores = {name: "dense" for name in model.matrices()}
     if quantized:
         stage(logger, "choosing the store of each weight matrix (quantization=%s)", quantization)

@@ -57,6 +57,7 @@ from stemma.serve.peer_watch import PeerWatch, configure
 from stemma.serve.proc_watch import ParentWatch
 from stemma.serve.fanout import merge
 from stemma.serve.replica import Replica, address, cpu_shares
+from stemma.serve.ray_placement import RayPlacement
 from stemma.serve.router import Router, Routing
 from stemma.serve.supervisor import Supervision
 
@@ -88,9 +89,7 @@ class GatewaySpec:
     served_model_name: str | None = None
     dp: int = 1                    # engine replicas (serve.replica)
     routing: Routing = dataclasses.field(default_factory=Routing)
-    ray_address: str | None = None # place the replicas as Ray actors (serve.ray_replicas)
-    ray_num_cpus: float = 1.0      # each actor's resource request
-    ray_num_gpus: float = 0.0
+    ray: RayPlacement = dataclasses.field(default_factory=RayPlacement)  # serve.ray_replicas
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024:
@@ -107,7 +106,7 @@ class GatewaySpec:
     def from_json(cls, text: str) -> "GatewaySpec":
         raw = json.loads(text)
         return cls(**{**raw, "supervision": Supervision(**raw.get("supervision", {})),
-                      "routing": Routing(**raw.get("routing", {}))})
+                      "routing": Routing(**raw.get("routing", {})), "ray": RayPlacement(**raw.get("ray", {}))})
 
     def engine_spec(self, cpus: list[int] | None = None) -> dict[str, Any]:
         """An engine process's spec (stemma.engine.process reads it on stdin), less its two
@@ -115,8 +114,8 @@ class GatewaySpec:
         spec: dict[str, Any] = {"engine": self.engine, "log_level": self.log_level}
         if self.dp > 1:
             spec.update(cpus=cpus, cache_events=self.routing.router == "cache_aware")
-        if self.ray_address is not None:  # on a Ray node: the actor's CPUs, no pinning
-            spec.update(cpus=None, threads=max(1, int(self.ray_num_cpus)))
+        if self.ray.enabled:  # on a Ray node: the actor's CPUs, no pinning
+            spec.update(cpus=None, threads=max(1, int(self.ray.ray_num_cpus)))
         return spec
 
 
@@ -145,18 +144,17 @@ class Gateway:
 
     def _make_replicas(self) -> list[Replica]:
         spec = self.spec
-        if spec.ray_address is None:
+        if not spec.ray.enabled:
             return [Replica(i, self.ctx, address(spec.requests, i), address(spec.outputs, i),
                             spec.engine_spec(cpus), spec.supervision)
                     for i, cpus in enumerate(cpu_shares(spec.dp))]
         from stemma.serve import ray_replicas
-        ray_replicas.connect(spec.ray_address)
+        ray_replicas.connect(spec.ray.ray_address)
         where = f"tcp://{ray_replicas.node_address()}:*"
 
         def actor(i: int):
             return lambda engine: ray_replicas.RaySupervisor(
-                engine, spec.supervision, f"stemma-engine-{os.getpid()}-{i}", spec.ray_num_cpus,
-                spec.ray_num_gpus)
+                engine, spec.supervision, f"stemma-engine-{os.getpid()}-{i}", spec.ray)
         return [Replica(i, self.ctx, where, where, spec.engine_spec(), spec.supervision, actor(i))
                 for i in range(spec.dp)]
 

@@ -27,6 +27,7 @@ from stemma.log import check_level
 from stemma.protocol.messages import DEFAULT_MAX_FRAME_BYTES
 from stemma.field_doc import doc
 from stemma.serve.proc_watch import spawn_module, stop_child
+from stemma.serve.ray_placement import RayPlacement
 from stemma.serve.router import Routing
 from stemma.serve.supervisor import Supervision
 
@@ -49,22 +50,11 @@ class ServeConfig:
     dp: int = doc(1, "engine replicas (data parallel), each on its own share of the cores, "
                      "behind one gateway that routes each request to one of them")
     routing: Routing = field(default_factory=Routing)  # how requests are spread (own flags)
-    ray_address: str | None = doc(None, "place the replicas as Ray actors on the Ray cluster at "
-                                        "this address (host:port of its head; 'auto': the one this "
-                                        "machine belongs to), which restarts them when they die; "
-                                        "needs stemma[ray]")
-    ray_num_cpus: float = doc(1.0, "with a Ray cluster: the CPUs each replica's actor asks for "
-                                   "(its engine runs that many threads)")
-    ray_num_gpus: float = doc(0.0, "with a Ray cluster: the GPUs each replica's actor asks for "
-                                   "(1 for an engine on CUDA)")
+    ray: RayPlacement = field(default_factory=RayPlacement)  # Ray's placement of them (own flags)
 
     def __post_init__(self):
         if self.dp < 1:
             raise ValueError(f"dp must be >= 1, got {self.dp}")
-        if self.ray_address is not None and not self.ray_address:
-            raise ValueError("ray_address must not be empty")
-        if self.ray_num_cpus < 0 or self.ray_num_gpus < 0:
-            raise ValueError("ray_num_cpus and ray_num_gpus must be >= 0")
         for name in ("port", "zmq_port"):
             if not 1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [1, 65535], got {getattr(self, name)}")
@@ -80,6 +70,8 @@ class ServeConfig:
             raise TypeError(f"supervision must be a Supervision, got {type(self.supervision).__name__}")
         if not isinstance(self.routing, Routing):
             raise TypeError(f"routing must be a Routing, got {type(self.routing).__name__}")
+        if not isinstance(self.ray, RayPlacement):
+            raise TypeError(f"ray must be a RayPlacement, got {type(self.ray).__name__}")
 
     @property
     def address(self) -> str:
@@ -102,15 +94,14 @@ class ServerProcesses:
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, log_level: str = "warning",
                  http: ServeConfig | None = None, supervision: Supervision | None = None,
                  dp: int | None = None, routing: Routing | None = None,
-                 ray: dict[str, object] | None = None):
-        """`ray`: ray_address, ray_num_cpus, ray_num_gpus (ServeConfig's) to place the replicas
-        on a Ray cluster; taken from `http` when None."""
+                 ray: RayPlacement | None = None):
+        """`supervision`, `dp`, `routing` and `ray` (Ray's placement of the replicas) are taken
+        from `http` when None."""
         log_level = check_level(log_level)
         supervision = supervision or (http.supervision if http is not None else Supervision())
         dp = dp or (http.dp if http is not None else 1)
         routing = routing or (http.routing if http is not None else Routing())
-        if ray is None and http is not None and http.ray_address is not None:
-            ray = {name: getattr(http, name) for name in ("ray_address", "ray_num_cpus", "ray_num_gpus")}
+        ray = ray or (http.ray if http is not None else RayPlacement())
         self.folder = tempfile.mkdtemp(prefix="stemma-")  # mode 0700: only we reach the ipc paths
         self.address = address or f"ipc://{self.folder}/client"
         self.api_key = api_key
@@ -119,7 +110,7 @@ class ServerProcesses:
             "outputs": f"ipc://{self.folder}/outputs", "engine": dataclasses.asdict(engine),
             "supervision": dataclasses.asdict(supervision), "api_key": api_key,
             "max_frame_bytes": max_frame_bytes, "log_level": log_level,
-            "dp": dp, "routing": dataclasses.asdict(routing), **(ray or {}),
+            "dp": dp, "routing": dataclasses.asdict(routing), "ray": dataclasses.asdict(ray),
             **({"http_host": http.host, "http_port": http.port,
                 "served_model_name": http.served_model_name} if http is not None else {})})
         logger.debug("started the gateway (pid %d) for %s", self.gateway.pid, self.address)

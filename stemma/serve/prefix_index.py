@@ -18,6 +18,8 @@ import heapq
 import itertools
 from typing import Sequence
 
+from stemma.token_keys import common_len
+
 
 class _Node:
     __slots__ = ("key", "parent", "children", "last")
@@ -47,7 +49,7 @@ class PrefixIndex:
             child = node.children.get(ids[i])
             if child is None:
                 break
-            p = _common(child.key, ids, i)
+            p = common_len(child.key, ids, i)
             i += p
             if touch:
                 child.last = next(self._clock)
@@ -71,7 +73,7 @@ class PrefixIndex:
                 node.children[ids[i]] = leaf
                 self.size += len(leaf.key)
                 return len(leaf.key)
-            p = _common(child.key, ids, i)
+            p = common_len(child.key, ids, i)
             if p < len(child.key):
                 child = self._split(child, p)
             child.last = now
@@ -90,7 +92,7 @@ class PrefixIndex:
             child = node.children.get(ids[depth])
             if child is None:
                 return 0
-            p = _common(child.key, ids, depth)
+            p = common_len(child.key, ids, depth)
             if depth + len(child.key) <= keep:
                 if p < len(child.key):
                     return 0
@@ -164,11 +166,3 @@ class PrefixIndex:
                 if root is parent and salt is not None:
                     del self._roots[salt]
         return gone
-
-
-def _common(edge: tuple[int, ...], ids: Sequence[int], start: int) -> int:
-    n = min(len(edge), len(ids) - start)
-    i = 0
-    while i < n and edge[i] == ids[start + i]:
-        i += 1
-    return i

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from stemma.serve.proc_watch import spawn_module, stop_child
+from stemma.serve.ray_placement import RayPlacement
 from stemma.serve.supervisor import ENGINE_MODULE, STOP_GRACE_S, Supervision
 
 NAMESPACE = "stemma"
@@ -76,10 +77,10 @@ class RaySupervisor:
 
     fd = None  # no pidfd: deaths are noticed by ping
 
-    def __init__(self, spec: dict[str, Any], policy: Supervision, name: str, num_cpus: float,
-                 num_gpus: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spec: dict[str, Any], policy: Supervision, name: str, placement: RayPlacement,
+                 clock: Callable[[], float] = time.monotonic):
         self.spec, self.policy, self.name, self.clock = spec, policy, name, clock
-        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.placement = placement
         self.actor: Any = None
         self.cause: str | None = None
         self.ready = False
@@ -97,8 +98,8 @@ class RaySupervisor:
         """Creates the actor the first time; after a death, Ray is already restarting it."""
         import ray
         if self.actor is None:
-            remote = ray.remote(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=-1,
-                                max_task_retries=0)(EngineActor)
+            remote = ray.remote(num_cpus=self.placement.ray_num_cpus, num_gpus=self.placement.ray_num_gpus,
+                                max_restarts=-1, max_task_retries=0)(EngineActor)
             self.actor = remote.options(name=self.name, lifetime="non_detached").remote(self.spec)
         self.cause, self.ready, self.starts = None, False, self.starts + 1
         self._ping, self._next_ping = None, 0.0

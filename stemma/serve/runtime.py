@@ -15,6 +15,7 @@ from typing import Any
 from stemma.client.sync import Client, connect
 from stemma.engine_config import EngineConfig
 from stemma.serve.launch import ServerProcesses
+from stemma.serve.ray_placement import RayPlacement
 from stemma.serve.router import Routing
 from stemma.serve.supervisor import Supervision
 
@@ -22,21 +23,18 @@ from stemma.serve.supervisor import Supervision
 class Runtime:
     def __init__(self, model: str | None = None, *, start_timeout: float | None = 600.0,
                  log_level: str = "warning", supervision: Supervision | None = None,
-                 dp: int = 1, routing: Routing | None = None, ray_address: str | None = None,
-                 ray_num_cpus: float = 1.0, ray_num_gpus: float = 0.0, **engine_config: Any):
+                 dp: int = 1, routing: Routing | None = None, ray: RayPlacement | None = None,
+                 **engine_config: Any):
         """`engine_config` takes the fields of EngineConfig, as Engine does; they are checked here,
         before any process starts. `log_level` (one of stemma.log.LEVELS) is what the two
         children log at, on this process's stderr. `supervision`: engine restarts, as
         `stemma serve` does them (its defaults when None). `dp` engine replicas, each on its
         own share of the cores, behind one gateway that routes by `routing` (its defaults when
-        None: cache-aware). `ray_address`: place the replicas as Ray actors on that cluster
-        (each asking for `ray_num_cpus` CPUs and `ray_num_gpus` GPUs), as `stemma serve
-        --ray-address` does."""
+        None: cache-aware). `ray`: place the replicas as Ray actors on a cluster, as `stemma serve
+        --ray-address` does (None: no Ray)."""
         config = EngineConfig.from_kwargs(model=model, **engine_config)
         if dp < 1:
             raise ValueError(f"dp must be >= 1, got {dp}")
-        ray = None if ray_address is None else {"ray_address": ray_address, "ray_num_cpus": ray_num_cpus,
-                                                "ray_num_gpus": ray_num_gpus}
         self._procs: ServerProcesses | None = ServerProcesses(config, log_level=log_level,
                                                               supervision=supervision, dp=dp,
                                                               routing=routing, ray=ray)
