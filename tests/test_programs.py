@@ -183,13 +183,19 @@ def test_retained_kv_goes_first_for_the_program_expected_back_last_and_in_flight
     assert order == [3, 2, 1]
 
 
-def test_the_retention_guard_defers_new_work_that_would_evict_retained_kv():
+def paused_in_tree(pause_s: float):
+    """Programs on a fake clock and a tree holding the 8 retained tokens of one paused program."""
     clock = Clock()
     programs = Programs(retention_max_s=30.0, starvation_s=5.0, clock=clock)
     tree = RadixTree()
-    paused = call_req(programs, "paused", prompt=range(8), pause_s=5.0)
+    paused = call_req(programs, "paused", prompt=range(8), pause_s=pause_s)
     programs.on_finish(paused, kv_len=8)
     tree.insert(list(range(8)), torch.arange(8), owner=paused.program)
+    return clock, programs, tree, paused
+
+
+def test_the_retention_guard_defers_new_work_that_would_evict_retained_kv():
+    clock, programs, tree, paused = paused_in_tree(pause_s=5.0)
     guard = RetentionGuard(programs, tree, available=4)
     assert guard.retained is None  # measured at its first check
     small = call_req(programs, "small", prompt=[50, 51, 52])
@@ -223,12 +229,7 @@ def test_the_retention_guard_defers_new_work_that_would_evict_retained_kv():
 
 
 def test_the_guard_frees_only_what_can_go_before_retained_kv_and_says_when_to_look_again():
-    clock = Clock()
-    programs = Programs(retention_max_s=30.0, starvation_s=5.0, clock=clock)
-    tree = RadixTree()
-    paused = call_req(programs, "paused", prompt=range(8), pause_s=2.0)
-    programs.on_finish(paused, kv_len=8)
-    tree.insert(list(range(8)), torch.arange(8), owner=paused.program)
+    _, programs, tree, paused = paused_in_tree(pause_s=2.0)
     tree.insert([0, 1, 2, 3, 20, 21], torch.tensor([0, 1, 2, 3, 20, 21]))
     shared = tree.match_prefix([0, 1, 2, 3]).node
     tree.record_hit(shared, owner=None)  # the first 4 tokens are shared now; 4..7 stay retained
