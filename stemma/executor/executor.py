@@ -128,8 +128,11 @@ class Executor:
         """The logits with each row holding NaN or inf zeroed, its request failed. A sound
         forward gives finite logits (masks come later), so this is one check per step."""
         # a row's sum is finite iff every entry is (logits are far from overflowing a float32
-        # sum): one pass over the 262k-wide rows instead of isfinite's several
-        if bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()):
+        # sum; bfloat16 has float32's range and sums in float32 inside): one pass over the
+        # 262k-wide rows instead of isfinite's several. Not `dtype=float32` for bfloat16: on CPU
+        # that path took 28 ms at 64 rows against 0.6 ms (measured), a third of a step.
+        wide = torch.float32 if logits.dtype == torch.float16 else None
+        if bool(torch.isfinite(logits.sum(dim=-1, dtype=wide)).all()):
             return logits
         finite = torch.isfinite(logits).all(dim=-1)
         for r in (~finite).nonzero().flatten().tolist():
