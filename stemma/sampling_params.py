@@ -23,6 +23,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_token_id(value: Any) -> bool:
+    return _is_int(value) and 0 <= value < INT_LIMIT
+
+
 def _check_int(name: str, value: Any, low: int) -> None:
     if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
@@ -69,7 +73,7 @@ def _normalize_token_ids(name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list of ints, got {value!r}")
     for item in value:
-        if not _is_int(item) or not 0 <= item < INT_LIMIT:
+        if not _is_token_id(item):
             raise ValueError(f"{name} must hold ints >= 0 and < 2**63, got {item!r}")
     return tuple(value)
 
@@ -86,7 +90,7 @@ def _normalize_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}")
         token, bias = item
-        if not _is_int(token) or not 0 <= token < INT_LIMIT:
+        if not _is_token_id(token):
             raise ValueError(f"logit_bias keys must be token ids (ints >= 0 and < 2**63), got {token!r}")
         _check_real("logit_bias", bias, -100.0, 100.0)
         out[token] = float(bias)
