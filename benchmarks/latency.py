@@ -347,12 +347,18 @@ def scenario_table(scenario: str, results: dict[str, list[dict]]) -> str:
 
 
 def parse_options(items: list[str]) -> dict:
-    """key=value EngineConfig fields; values are Python literals (numbers, True/False/None) or text."""
+    """key=value EngineConfig fields; a text field takes the text as it is (speculative=none),
+    others a Python literal (numbers, True/False/None)."""
+    from stemma.cli_args import _kind
+    from stemma.engine_config import EngineConfig
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--stemma-options takes key=value, got {item!r}")
+        if key in EngineConfig.__dataclass_fields__ and _kind(EngineConfig, key) is str:
+            out[key] = value
+            continue
         low = value.lower()
         if low in ("true", "false", "none", "null"):
             out[key] = {"true": True, "false": False}.get(low)
@@ -361,7 +367,6 @@ def parse_options(items: list[str]) -> dict:
             out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             out[key] = value
-    from stemma.engine_config import EngineConfig
     EngineConfig.from_kwargs(**out)  # fails early on an unknown field or a bad value
     return out
 

@@ -7,6 +7,7 @@ import pytest
 
 import stemma
 from stemma import SamplingParams
+from stemma.engine.process import EngineLoop
 from stemma.lang.backends.engine import EngineBackend
 from stemma.program_call import ProgramCall
 from tests.tiny_models import build_tiny
@@ -135,6 +136,11 @@ def test_an_idle_engine_holding_a_call_for_retained_kv_sleeps_until_the_retentio
     start = time.perf_counter()
     assert engine.step() == [] and not b.admitted_once
     assert engine.idle_timeout() > 10 * IDLE_WAIT_S
+    loop = EngineLoop(engine, requests=None, outputs=None)  # the server's loop dozes as long
+    loop.next_beat = time.monotonic() + 1.0
+    assert 10 < loop.doze_ms() <= 1000
+    loop.next_beat = time.monotonic() + 0.005  # but never past its next heartbeat
+    assert loop.doze_ms() <= 5
     engine.run_until_done([b])
     assert time.perf_counter() - start >= 0.4  # 1.5 x 0.4 s + 0.1 s of retention, less the steps
     engine.check_pool_whole()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -203,12 +204,22 @@ class EngineLoop:
                 self._publish(live)
         return bool(touched)
 
+    def doze_ms(self) -> int:
+        """How long to wait for input after a step that ran no forward while requests are live:
+        the engine's idle timeout (a batch window, a retention hold), never past the next
+        heartbeat, at least 1 ms; 1 ms while a guide builds (its completion wakes the engine's
+        own wait, not this socket)."""
+        if self.engine.scheduler.grammar_queue:
+            return 1
+        seconds = min(self.engine.idle_timeout(), self.next_beat - time.monotonic())
+        return max(1, math.ceil(seconds * 1000))
+
     def run(self, stopping: Callable[[], bool]) -> None:
         while not stopping():
             self.take_in(0 if self.live else IDLE_POLL_MS)
             ran = bool(self.live) and self.step()
             if self.live and not ran:
-                self.take_in(1)  # dynamic batching waits for its window: doze, but wake on input
+                self.take_in(self.doze_ms())  # doze, but wake on input
             self.flush()
             if ran:  # after the flush: a trim never delays the tokens of the step before it
                 self.heap.worked()
