@@ -85,3 +85,19 @@ def test_warm_up_seeds_the_one_row_step_and_writes_no_request_kv(folder):
     assert engine.stats()["pool_free"] == engine.stats()["pool_total"]
     out = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4))
     assert out.meta["slo"]["itl_target_ms"] == pytest.approx(2e3 * slo.one_row_s, abs=0.01)
+
+
+def test_a_latency_target_caps_what_speculation_verifies_in_a_step(folder):
+    """A verify step is the gap before its tokens: drafts that would take the step past the ITL
+    target are not made (here no step fits the target, so none is), and outputs do not change."""
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    runs = {}
+    for target in (10_000.0, 0.001):
+        engine = make(folder, default_itl_slo_ms=target)
+        engine.warm_up_step_cost()
+        runs[target] = (engine.generate(prompt, params).token_ids, engine.stats()["spec_proposed"])
+        engine.check_pool_whole()
+    assert runs[10_000.0][1] > 0       # loose: the n-gram drafts are verified
+    assert runs[0.001][1] == 0         # tight: none
+    assert runs[0.001][0] == runs[10_000.0][0]

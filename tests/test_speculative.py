@@ -36,7 +36,7 @@ def repetitive_prompts(n=12, seed=1):
 
 def force_drafts(engine):
     """Every proposal verified at its full length (the cost model is bypassed)."""
-    engine.spec.choose = lambda decodes, cands: [most for _, most in cands]
+    engine.spec.choose = lambda decodes, cands, max_rows=None: [most for _, most in cands]
     return engine
 
 
@@ -117,6 +117,10 @@ def test_choose_drafts_long_when_rows_are_cheap_and_none_when_compute_bound():
     bound = spec_with_cost(0.005, 0.002, 0.002)         # every row costs what a token is worth
     assert bound.choose(64, [(0.5, 8)] * 64) == [0] * 64
     assert cheap.choose(1, []) == []
+    assert cheap.choose(1, [(0.9, 8)], max_rows=3) == [3]   # a latency target's cap
+    assert cheap.choose(2, [(0.9, 8), (0.8, 8)], max_rows=0) == [0, 0]
+    capped = cheap.choose(2, [(0.9, 8), (0.8, 8)], max_rows=5)
+    assert sum(capped) == 5 and capped[0] >= capped[1]
 
 
 # ---------------------------------------------------------------- the engine

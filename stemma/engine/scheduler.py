@@ -256,7 +256,7 @@ class Scheduler:
             scheduled.update(id(r) for r in decodes)
             plan.decodes = len(decodes)
             if self.spec is not None:
-                self.spec.extend(plan, list(range(len(decodes))), self.constrainer)
+                self.spec.extend(plan, list(range(len(decodes))), self.constrainer, self._draft_room(plan))
         for req in [r for r in self.running if not r.is_decoding]:
             if req.state is not ReqState.RUNNING:
                 continue  # retracted by an earlier one's allocation in this loop: it waits now
@@ -268,6 +268,24 @@ class Scheduler:
             scheduled.add(id(req))
 
     # ---- priorities and latency targets (stemma.engine.slo) ----
+
+    def _draft_room(self, plan: StepPlan) -> int | None:
+        """The most draft tokens this step's decodes may verify with the step still within its
+        ITL target (a verify step is the gap before its tokens); None when no target holds it."""
+        if self.target is None:
+            return None
+        shape = StepShape.of(plan)
+        keys = max(req.kv_len for req in plan.reqs[:plan.decodes]) + 1 + self.spec.max_tokens
+        lo, hi = 0, self.spec.max_tokens * plan.decodes
+        while lo < hi:  # the predicted time grows with the rows: the most that fit
+            mid = (lo + hi + 1) // 2
+            trial = shape.copy()
+            trial.decode(keys, rows=mid)
+            if self.slo.fits(trial, self.target[0]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
     def _preempt_for_priority(self) -> None:
         """Retracts running requests at least priority_preemption_gap below a waiting request
         that has no room (batch full, KV short), lowest first, until it has."""

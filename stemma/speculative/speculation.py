@@ -6,7 +6,8 @@ best expected gain first, while they raise the expected tokens per second of the
 token j of request r is accepted with probability alpha_r^(j+1), alpha_r the request's measured
 acceptance rate (blended with its drafter's, while the request has little history); a step's
 time comes from `StepCost`, fitted on this machine's own steps. When the batch is compute-bound,
-an extra row costs more than it is expected to return, and no request speculates.
+an extra row costs more than it is expected to return, and no request speculates. Under an ITL
+target the scheduler caps the step's draft tokens at what keeps it within the target.
 """
 from __future__ import annotations
 
@@ -111,8 +112,10 @@ class Speculation:
         self.counters = SpecCounters()
 
     # ---- planning ----
-    def extend(self, plan: StepPlan, indices: list[int], guard: Guard | None = None) -> None:
-        """Gives the decoding requests at plan `indices` drafts, when they pay, with their slots.
+    def extend(self, plan: StepPlan, indices: list[int], guard: Guard | None = None,
+               max_rows: int | None = None) -> None:
+        """Gives the decoding requests at plan `indices` drafts, when they pay, with their slots;
+        at most `max_rows` draft tokens in all (the step's latency target; None: no cap).
         A constrained request speculates only under a `guard`: its drafts stop at the first token
         its constraint forbids, and where the constraint forces text, that text is its draft."""
         reqs, limits = [], []
@@ -135,12 +138,12 @@ class Speculation:
             drafts = _cut(self.drafter.propose([r for _, r in reqs], limits), [r for _, r in reqs], guard)
             drafts = [(forced[j], FORCED) if j in forced else d for j, d in enumerate(drafts)]
             lengths = self.choose(len(indices), [(self._alpha(r, src), len(t))
-                                                 for (_, r), (t, src) in zip(reqs, drafts)])
+                                                 for (_, r), (t, src) in zip(reqs, drafts)], max_rows)
         else:
             (source,) = self.drafter.sources
             lengths = self.choose(len(indices), [
                 (self._alpha(r, FORCED), len(forced[j])) if j in forced else (self._alpha(r, source), k)
-                for j, ((_, r), k) in enumerate(zip(reqs, limits))])
+                for j, ((_, r), k) in enumerate(zip(reqs, limits))], max_rows)
             chosen = [(j, r) for j, (_, r) in enumerate(reqs) if lengths[j] and j not in forced]
             drafts = [(forced[j], FORCED) if j in forced else ([], source) for j in range(len(reqs))]
             proposed = self.drafter.propose([r for _, r in chosen], [lengths[j] for j, _ in chosen])
@@ -164,8 +167,9 @@ class Speculation:
         prior = self.sources[source].alpha(self.priors[source], PRIOR_WEIGHT)
         return req.spec_state.rate.alpha(prior, PRIOR_WEIGHT)
 
-    def choose(self, decodes: int, cands: list[tuple[float, int]]) -> list[int]:
-        """Draft lengths for candidates (alpha, most drafts) in a step of `decodes` decodes."""
+    def choose(self, decodes: int, cands: list[tuple[float, int]], max_rows: int | None = None) -> list[int]:
+        """Draft lengths for candidates (alpha, most drafts) in a step of `decodes` decodes, at
+        most `max_rows` in all."""
         lengths = [0] * len(cands)
         if not cands or self.cost.steps == 0:
             return lengths  # no measured step yet: nothing to weigh drafts against
@@ -173,7 +177,7 @@ class Speculation:
         time = self.cost.predict(decodes, 0, 0)
         heap = [(-alpha, j) for j, (alpha, _) in enumerate(cands)]
         heapq.heapify(heap)
-        while heap:
+        while heap and (max_rows is None or rows < max_rows):
             neg_gain, j = heapq.heappop(heap)
             more = speculating + (lengths[j] == 0)
             new_time = self.cost.predict(decodes, rows + 1, more)
