@@ -17,6 +17,8 @@ dense F.linear does not promise that (oneDNN picks its path by row count), only 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -189,6 +191,11 @@ class Int4Weight:
         return y.reshape(*lead, -1).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W, unpacked from the known packing layout (a tied embedding is held in
+        int4 only where torch packs in it: `check_int4_layout`); elsewhere read through the
+        kernel (`dequantize`), which no hot path does."""
+        if not check_int4_layout():
+            return self.dequantize().to(self.scale_zeros.dtype)[ids]
         q = _unpack_int4_rows(self.packed, ids.reshape(-1), self.in_features)
         g = self.group_size
         sz = self.scale_zeros[:, ids.reshape(-1)]                      # [in // g, T, 2]
@@ -198,7 +205,10 @@ class Int4Weight:
         return out.reshape(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.packed.shape[0])).float()
+        """W as the kernel computes with it, read back through the kernel (x = I: one term per
+        output), so it holds whatever torch's packing layout on this CPU."""
+        eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
+        return self.matmul(eye, "int4").t().float()
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
@@ -228,6 +238,7 @@ def _unpack_int4_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.
     return torch.stack([(even >> shift) & 15, (odd >> shift) & 15], dim=-1).reshape(len(ids), k)
 
 
+@functools.cache
 def check_int4_layout() -> bool:
     """Whether this torch packs int4 as _unpack_int4_rows reads it (a tied embedding in int4
     depends on it; without it, that matrix is held in int8)."""
