@@ -274,18 +274,10 @@ class Scheduler:
         ITL target (a verify step is the gap before its tokens); None when no target holds it."""
         if self.target is None:
             return None
-        shape = StepShape.of(plan)
         keys = max(req.kv_len for req in plan.reqs[:plan.decodes]) + 1 + self.spec.max_tokens
-        lo, hi = 0, self.spec.max_tokens * plan.decodes
-        while lo < hi:  # the predicted time grows with the rows: the most that fit
-            mid = (lo + hi + 1) // 2
-            trial = shape.copy()
-            trial.decode(keys, rows=mid)
-            if self.slo.fits(trial, self.target[0]):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return self.slo.decode_room(StepShape.of(plan), self.target[0], keys,
+                                    self.spec.max_tokens * plan.decodes)
+
     def _preempt_for_priority(self) -> None:
         """Retracts running requests at least priority_preemption_gap below a waiting request
         that has no room (batch full, KV short), lowest first, until it has."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from stemma.engine.step_cost import StepCost, StepShape
 
@@ -106,13 +106,23 @@ class Slo:
 
     def prefill_room(self, shape: StepShape, target: float | None, prefix: int, most: int) -> int:
         """The most prefill tokens (<= most) after `prefix` that keep the step within target."""
+        return self._room(shape, target, most, lambda trial, n: trial.prefill(n, prefix))
+
+    def decode_room(self, shape: StepShape, target: float | None, seq_len: int, most: int) -> int:
+        """The most extra decode rows (<= most) attending `seq_len` keys each (draft tokens to
+        verify) that keep the step within target."""
+        return self._room(shape, target, most, lambda trial, n: trial.decode(seq_len, rows=n))
+
+    def _room(self, shape: StepShape, target: float | None, most: int,
+              add: Callable[[StepShape, int], None]) -> int:
+        """The largest n <= most for which `shape` with n units `add`ed stays within target."""
         if target is None or not self.cost.ready:
             return most
         lo, hi = 0, most
         while lo < hi:  # the predicted time grows with n: the largest n that fits
             mid = (lo + hi + 1) // 2
             trial = shape.copy()
-            trial.prefill(mid, prefix)
+            add(trial, mid)
             if self.fits(trial, target):
                 lo = mid
             else:
