@@ -13,7 +13,10 @@ sides get the same prompt token ids (stemma's tokenizer, BOS included), fresh on
 round and side-warm-up, so no prompt is ever served from a prefix cache.
 
 Scenarios (each: a warm-up of both sides, then `--rounds` rounds of stemma, llama.cpp, stemma,
-llama.cpp, ...; a table of the per-round medians):
+llama.cpp, ...; a table of the per-round medians). stemma's warm-up lets its decode compile
+settle (compile_decode=auto compiles on a background thread): after the single stream's, until
+the one-row graph is compiled; in the others, one unmeasured round of the scenario, a wait while
+the graphs of the batch sizes it met compile, again until a round meets no new batch size:
   single    one request at a time (--single-requests of them): a --prompt-len-token prompt,
             --new-tokens new tokens. Decode tok/s = (tokens - 1) / (last - first token); TTFT.
   conc4     4 such requests at once; llama-server runs with -np 4.
@@ -155,6 +158,26 @@ class StemmaSide:
             await self.run([Job(prompts.ids(), args.new_tokens)], concurrent=False)
         print(f"stemma's compiled decode: {self.compile_state()} (after {time.perf_counter() - t0:.0f} s of "
               f"single-stream warm-up)", file=sys.stderr, flush=True)
+
+    def batched_state(self) -> str:
+        return str(self._clients(1)[0].info()["stats"].get("compiled_decode_batched", "off"))
+
+    async def settle_batched(self, jobs: list[Job], concurrent: bool, limit_s: float = 300.0) -> None:
+        """Unmeasured rounds of the scenario's own jobs, each followed by a wait while the engine
+        compiles the decode graphs of the batch sizes it met (compile_decode=auto, on a background
+        thread), until a round meets no new one (at most 4): no measured round pays for a
+        compile. The trials of the last graphs may run on in the measured rounds."""
+        t0 = time.perf_counter()
+        for _ in range(4):  # a round may meet batch sizes the last one did not
+            await self.run(jobs, concurrent)
+            compiled = False
+            while "compiling" in self.batched_state() and time.perf_counter() - t0 < limit_s:
+                compiled = True
+                await asyncio.sleep(0.5)
+            if not compiled:
+                break
+        print(f"stemma's compiled decode for batches: {self.batched_state() or '-'} (settled in "
+              f"{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for c in self.clients:
@@ -433,6 +456,9 @@ async def run_all(args, stemma: StemmaSide, llama: LlamaSide, tokenizer) -> dict
             await side.run(warmup_jobs(scenario, prompts, args), concurrent)
         if scenario == "single":  # a single stream starts the engine's decode compile: let it settle
             await stemma.settle_compile(prompts, args)
+        else:  # the batch sizes of this scenario each have their compiled graph: let them settle
+            await stemma.settle_batched(jobs_for(scenario, prompts, args, seed=args.seed * 1000 + 100 * si + 99),
+                                        concurrent)
         per_side = {"stemma": [], "llama.cpp": []}
         for rnd in range(args.rounds):
             jobs = jobs_for(scenario, prompts, args, seed=args.seed * 1000 + 100 * si + rnd)

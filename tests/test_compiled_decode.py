@@ -1,7 +1,8 @@
-"""The one-row decode forward compiled by Inductor: the same logits and greedy tokens as the eager
-forward (float32, tiny random llama and gemma3, packed matrices through stemma::packed_linear),
-the background compile beside running steps, the trial that keeps the faster kind, and the
-fallback to eager when the graph fails."""
+"""The decode forward compiled by Inductor, one request and batched: the same logits and greedy
+tokens as the eager forward (float32, tiny random llama and gemma3, packed matrices through
+stemma::packed_linear), the background compile beside running steps, the trial that keeps the
+faster kind, and the fallback to eager when the graph fails."""
+import math
 import time
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 import stemma
 from stemma import SamplingParams
-from stemma.executor.compiled_decode import START_AFTER, CompiledDecode, Trial, resolve_mode
+from stemma.executor.forward_batch import ForwardBatch
+from stemma.executor.compiled_decode import ONE, START_AFTER, CompiledDecode, Trial, resolve_mode, row_cuts
 from stemma.models.linear import KernelChoice
 from stemma.models.weights import packing_available
 from tests.tiny_models import build_tiny
@@ -59,7 +61,7 @@ def test_compiled_forward_matches_eager(folder, reference):
         engine.step()
     runner = engine.runner
     fb = runner.prepare([[req.output_ids[-1]]], [req.row], [req.kv_len])
-    assert compiled.eligible(fb)
+    assert compiled.bucket(fb) == ONE
     with torch.inference_mode():
         got = compiled.forward(fb)
         runner.compiled = None
@@ -68,8 +70,32 @@ def test_compiled_forward_matches_eager(folder, reference):
     runner.pool.allocator.free(fb.out_slots)
     runner.compiled = compiled
     engine.abort(req.rid)
-    # batches of several requests run eager, and give the same tokens
+    # batches of several requests decoding run the graph of their bucket (compiled in the step
+    # that first meets it, under `on`), and give the same tokens
+    calls = compiled.calls
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert compiled.calls - calls >= GREEDY.max_new_tokens - 1
+    assert compiled.cuts == (1,) and compiled.batched_states() == {"2+": "kept"}
+    # its logits against eager, three requests at different lengths
+    reqs = [engine.submit(p, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))[0]
+            for p in PROMPTS[:3]]
+    while any(len(r.output_ids) < 2 for r in reqs):
+        engine.step()
+    fb = runner.prepare([[r.output_ids[-1]] for r in reqs], [r.row for r in reqs], [r.kv_len for r in reqs])
+    assert compiled.bucket(fb) == 1 and compiled.wants(fb)
+    with torch.inference_mode():
+        got = compiled.forward(fb)
+        runner.compiled = None
+        want = runner.forward(fb)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=1e-5)
+    runner.pool.allocator.free(fb.out_slots)
+    runner.compiled = compiled
+    for r in reqs:
+        engine.abort(r.rid)
+    # a forward with a prefill in it runs eager
+    mixed = runner.prepare([[1], [2, 3, 4]], [0, 1], [5, 0])
+    assert compiled.bucket(mixed) is None and not compiled.wants(mixed)
+    runner.pool.allocator.free(mixed.out_slots)
     engine.check_pool_whole()
 
 
@@ -86,8 +112,15 @@ def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     stats = compiled.stats()
     assert stats["compiled_ms"] > 0 and stats["eager_ms"] > 0 and stats["compile_s"] > 0
     assert engine.stats()["compiled_decode"] == compiled.state
-    assert compiled.single_seen == START_AFTER
+    assert compiled.decodes_seen == START_AFTER
     assert all(out == reference[i % len(PROMPTS)] for i, out in enumerate(outputs))
+    # a batch's bucket is compiled in the background once a batch meets it, and has its own trial
+    assert stats["batched"] == {} and engine.stats()["compiled_decode_batched"] == ""
+    while compiled.bucket_state(1) not in ("kept", "dropped") and time.monotonic() < deadline:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert compiled.batched_states() == {"2+": compiled.bucket_state(1)}
+    assert compiled.bucket_state(1) in ("kept", "dropped") and len(compiled.trials[1].times[True]) == 8
+    assert engine.stats()["compiled_decode_batched"] == f"2+:{compiled.bucket_state(1)}"
     engine.check_pool_whole()
 
 
@@ -102,6 +135,34 @@ def test_a_failing_graph_falls_back_to_eager(folder, reference):
     force_packed(engine)
     assert engine.generate(PROMPTS[0], GREEDY).token_ids == reference[0]
     assert compiled.state == "failed" and engine.stats()["compiled_decode"] == "failed"
+
+
+def test_a_graph_per_bucket_of_the_dispatch_table(folder):
+    """The graph traces each layer matrix's kernel pick by row count, so batch sizes between the
+    same two cuts of the tables share a graph, and a cut starts a new one."""
+    engine = make(folder, compile_decode="off")
+    layers = [m for name, m in engine.loaded.model.matrices().items() if name.startswith("model.layers.")]
+    layers[0].set_kernels(KernelChoice((1, 4, 16), ("linear", "mm_t", "linear")))
+    layers[1].set_kernels(KernelChoice((2, 4), ("mm_t", "linear")))
+    assert row_cuts(engine.loaded.model) == (1, 2, 4, 16)
+    compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "auto")
+    assert compiled.state == "waiting" and compiled.batched_states() == {}
+
+    def bucket(rows):
+        return compiled.bucket(ForwardBatch.on_padding_slot(rows, 4))
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 16, 17, 300)] == [ONE, 1, 2, 2, 3, 3, 4, 4]
+    assert [compiled.bucket_rows(b) for b in (1, 2, 3, 4)] == [(2, 2), (3, 4), (5, 16), (17, None)]
+    assert compiled.bucket(ForwardBatch.on_padding_slot(2, 4, prefill=3)) is None  # a prefill: eager
+    # what a kept graph saves a plain step (speculation weighs its drafts against it): its trial's
+    # eager median less its compiled one; nothing where no graph is kept
+    compiled.started = True
+    compiled.compiles[2], compiled.compiles[3], compiled.trials[2] = "ready", "failed", Trial(n=1)
+    assert compiled.saving(3) == math.inf   # on trial: plain steps, so that the trial gets its forwards
+    compiled.timed(ForwardBatch.on_padding_slot(3, 4), True, 0.030)
+    compiled.timed(ForwardBatch.on_padding_slot(4, 4), False, 0.050)
+    assert compiled.batched_states() == {"3-4": "kept", "5-16": "failed"}
+    assert compiled.saving(3) == pytest.approx(0.020) and compiled.saving(5) == 0.0
+    assert compiled.thread is None   # nothing met was left to compile
 
 
 def test_trial_keeps_the_faster_kind():

@@ -102,6 +102,7 @@ def test_step_cost_fit_recovers_the_machine_s_costs():
 def spec_with_cost(a, b, c):
     spec = Speculation.__new__(Speculation)
     spec.cost = StepCost()
+    spec.compiled_saving = None
     rng = np.random.default_rng(1)
     for _ in range(200):
         rows, drafts = int(rng.integers(1, 64)), int(rng.integers(0, 20))
@@ -121,6 +122,18 @@ def test_choose_drafts_long_when_rows_are_cheap_and_none_when_compute_bound():
     assert cheap.choose(2, [(0.9, 8), (0.8, 8)], max_rows=0) == [0, 0]
     capped = cheap.choose(2, [(0.9, 8), (0.8, 8)], max_rows=5)
     assert sum(capped) == 5 and capped[0] >= capped[1]
+
+
+def test_a_compiled_plain_step_is_weighed_against_the_eager_verify_step():
+    spec = spec_with_cost(0.030, 0.001, 0.001)
+    spec.compiled_saving = lambda decodes: 0.025   # the plain step 6 ms: 8 drafts at 0.9 do not pay
+    assert spec.choose(1, [(0.9, 8)]) == [0]
+    # the plain step 16 ms: one draft alone does not pay for the eager step (1.9 tokens in 32 ms),
+    # eight do (6.1 tokens in 39 ms)
+    spec.compiled_saving = lambda decodes: 0.015
+    assert spec.choose(1, [(0.9, 8)]) == [8]
+    spec.compiled_saving = lambda decodes: 0.0
+    assert spec.choose(1, [(0.9, 8)]) == [8]
 
 
 # ---------------------------------------------------------------- the engine

@@ -37,12 +37,14 @@ class AttentionBackend(ABC):
     def begin(self, fb: ForwardBatch) -> None:
         """Called once per forward, before the first layer."""
         self.fb = fb
+        # a bool, not the list it comes from: a compiled graph then guards on it alone
+        self.is_decode = fb.is_decode
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 pool: KVPool) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
         pool.write(layer.layer_id, self.fb.out_slots, k, v)
-        if self.fb.is_decode:
+        if self.is_decode:
             return self.decode(q, layer, pool)
         return self.extend(q, layer, pool)
 

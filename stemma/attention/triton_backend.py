@@ -23,7 +23,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def begin(self, fb: ForwardBatch) -> None:
         super().begin(fb)
-        self.is_decode = fb.is_decode
         self.max_extend_len = max(fb.extend_lens_cpu, default=0)
         self.max_seq_len = fb.max_seq_len if fb.batch_size else 0
 

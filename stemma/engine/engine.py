@@ -123,6 +123,8 @@ class Engine:
                                 self.programs.rank(cfg))
         self.spec = make_speculation(cfg, self.cache, self.runner.req_to_slot, self.runner.max_context,
                                      target=self.runner)
+        if self.spec is not None and self.runner.compiled is not None:
+            self.spec.compiled_saving = self.runner.compiled.saving
         self.step_cost = StepCost()
         self.scheduler = Scheduler(cfg, self.cache, self.runner.req_to_slot, self.constrainer,
                                    StopRule(self.eos_token_ids, self.runner.max_context, self.tokenizer),
@@ -204,7 +206,7 @@ class Engine:
         counters = self.scheduler.counters
         counters.steps += 1
         counters.busy_time += seconds
-        if self.spec is not None:
+        if self.spec is not None and not self.runner.ran_compiled:  # its fit is of eager steps
             self.spec.observe(plan, seconds)
         return touched
 
@@ -322,6 +324,8 @@ class Engine:
             "steps": c.steps,
             "retractions": c.retractions,
             "compiled_decode": self.runner.compiled.state if self.runner.compiled is not None else "off",
+            "compiled_decode_batched": (" ".join(f"{k}:{v}" for k, v in self.runner.compiled.batched_states().items())
+                                        if self.runner.compiled is not None else "off"),
             **self.scheduler.stats(),
             **self.cache.usage(),
             **(self.spec.stats() if self.spec is not None else {}),

@@ -1,42 +1,52 @@
-"""The one-row decode forward compiled by Inductor (`torch.compile`), beside the eager one.
+"""The decode forward compiled by Inductor (`torch.compile`), beside the eager one.
 
-A one-row decode step on CPU reads every weight once, and in eager mode a third of it more went
-to dispatching some 2,500 small ops: norms, casts, rope, the KV write and the attention glue
-between the matmuls. Inductor fuses that glue into a few C++ loops per layer; the matmuls stay
-the kernels the dispatch table chose (packed ones through the `stemma::packed_linear` op).
+A decode step on CPU reads every weight once, and in eager mode a third of it more went to
+dispatching some 2,500 small ops: norms, casts, rope, the KV write and the attention glue between
+the matmuls. Inductor fuses that glue into a few C++ loops per layer; the matmuls stay the kernels
+the dispatch table chose (packed ones through the `stemma::packed_linear` op).
 
-What runs compiled: forwards of one request decoding one token (batch 1, one new token), the
-single-stream case; the decoder layers only (the embedding, the final norm and the output matrix
-stay eager). The context length is a dynamic dimension, so one graph serves every length. Every
-other forward runs eager.
+What runs compiled: forwards in which every request decodes one token (no prefill, no draft to
+verify); the decoder layers only (the embedding, the final norm and the output matrix stay eager).
+One graph serves one *bucket* of batch sizes: a single request (Dynamo specializes a size of 1),
+then each range of rows between two cuts of the layers' dispatch tables, since the graph traces
+each matrix's kernel choice by row count (`KernelChoice.pick`). Within a bucket the batch size and
+the context length are dynamic dimensions. Every other forward runs eager.
 
 Modes (`EngineConfig.compile_decode`):
-- `on`: compiled in the constructor and used from then on.
+- `on`: the one-request graph is compiled in the constructor, each other bucket's in the step
+  that first meets it; all are used from then on.
 - `auto` (CPU only; `STEMMA_COMPILE=0` makes it `off`, as the test suite does): once the engine
-  has run START_AFTER forwards of a single request (decodes or speculative verifies: a
-  single-stream user; a one-off command that decodes a few dozen tokens never pays for it), the graph is compiled on a background thread (15-30 s on
-  2 cores; Inductor's on-disk cache shortens later starts) while steps run eager. Then the next
-  TRIALS eligible forwards of each kind alternate, and the compiled graph is kept only if its
-  median forward is faster: measured on the machine.
+  has run START_AFTER decode forwards (all-decode batches, or one request's speculative
+  verifies: a one-off command that decodes a few dozen tokens never pays for it), each bucket a
+  decode forward falls in is compiled on a background thread, one at a time (15-30 s each on
+  2 cores; Inductor's on-disk cache shortens later starts), while its forwards run eager. Then
+  the next TRIALS forwards of that bucket alternate, and its graph is kept only if its median
+  forward is faster than eager: measured on the machine, bucket by bucket.
 - `off`: eager only.
-A compile or a compiled call that raises leaves the eager forward, logged once.
+A compile that raises leaves its bucket eager; a compiled call that raises, every bucket (logged).
 
-Invariants: the graph runs on its own attention backend (per-forward metadata lives on a
-backend, and the compile thread must not touch the one the steps use). The compile's dummy
-forward writes only KV slot 0, the padding slot that no request holds. Scales that modules cache
-from their weights are refreshed eagerly before each compiled call (`CausalLM.refresh_cached`),
-since a compiled graph reads them as they are.
+Invariants: the graphs run on their own attention backend (per-forward metadata lives on a
+backend, and the compile thread must not touch the one the steps use); a compile holds it
+(`busy`), and a step that finds it held runs eager. A compile's dummy forward
+writes only KV slot 0, the padding slot that no request holds. Scales that modules cache from
+their weights are refreshed eagerly before each compiled call (`CausalLM.refresh_cached`), since
+a compiled graph reads them as they are. A step calls the graph only for a bucket whose compile
+has finished, so a step never compiles in `auto`.
 """
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import os
 import statistics
+import sys
 import threading
 import time
 from types import FunctionType, MethodType
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from stemma.attention.select import make_attention_backend
 from stemma.cache.kv_pool import KVPool
@@ -47,9 +57,11 @@ from stemma.models.layers import ForwardContext
 logger = logging.getLogger(__name__)
 
 COMPILE_ENV = "STEMMA_COMPILE"
-START_AFTER = 128    # forwards of one request before auto starts compiling
+START_AFTER = 128    # decode forwards before auto starts compiling
 TRIALS = 8          # timed forwards of each kind before auto keeps or drops the graph
-DUMMY_CONTEXT = 16  # the compile's dummy request attends to this many (padding) slots + itself
+DUMMY_CONTEXT = 16  # the compile's dummy requests attend to this many (padding) slots + rows + themselves
+COMPILE_SWITCH_INTERVAL = 1e-4  # seconds: the GIL switch interval while a background compile runs
+ONE = -1            # the bucket of a single request; the others are 0, 1, ... (`CompiledDecode.bucket`)
 
 
 def resolve_mode(mode: str, device: torch.device, attention_backend: str) -> str:
@@ -95,93 +107,222 @@ class Trial:
         return 1e3 * statistics.median(times) if times else None
 
 
+def row_cuts(model: CausalLM) -> tuple[int, ...]:
+    """Every row count at which some layer matrix's kernel choice changes (the graph traces them)."""
+    cuts = {1}
+    for name, matrix in model.matrices().items():
+        if name.startswith("model.layers.") and matrix.kernels is not None:
+            cuts.update(matrix.kernels.max_rows)
+    return tuple(sorted(cuts))
+
+
 class CompiledDecode:
     def __init__(self, model: CausalLM, pool: KVPool, mode: str):
         self.model = model
         self.pool = pool
+        self.mode = mode
         self.backend = make_attention_backend("torch", "cpu")
         for matrix in model.matrices().values():  # stores are made on first use: here, not in a trace
             matrix.weights()
+        self.cuts = row_cuts(model)
+        # one graph per bucket, the one-request graph included: each a recompile of the same code
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.cuts) + 2)
         # guards on the modules' attributes cost ~1 ms a call; this graph serves one model only
         self.graph = torch.compile(_own_code(model.decoder), dynamic=True, fullgraph=True,
                                    options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        self.state = "waiting"     # (auto) waiting -> compiling -> trial -> kept | dropped; or failed
-        self.single_seen = 0       # forwards of one request (decode or verify) while waiting
-        self.trial = Trial()
-        self.compile_s: float | None = None
-        self.calls = 0             # forwards the graph served
+        self.started = False       # (auto) START_AFTER decode forwards seen
+        self.failed = False
+        self.decodes_seen = 0      # decode forwards before the start
+        self.compiles: dict[int, str] = {}    # bucket -> queued | compiling | ready | failed
+        self.queue: list[int] = []            # buckets waiting for the compile thread
+        self.trials: dict[int, Trial] = {}
+        self.verdicts: dict[int, bool] = {}   # bucket -> whether its graph is kept (its trial over)
+        self.compile_s: float | None = None   # all compiles so far, summed
+        self.calls = 0             # forwards the graphs served
         self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()          # queue and thread
+        self.busy = threading.Lock()          # held by a compile: the graphs' backend is in use
         if mode == "on":
-            self.state = "compiling"
-            self._compile()
-            if self.state == "trial":
-                self.state = "kept"
+            self.started = True
+            self._compile(ONE)
 
-    # ---- the compile ----
-    def _compile(self) -> None:
+    # ---- states ----
+    def bucket_state(self, bucket: int) -> str:
+        """waiting (never queued), compiling (queued or compiling), trial, kept, dropped or failed."""
+        status = self.compiles.get(bucket)
+        if self.failed or status == "failed":
+            return "failed"
+        if status is None:
+            return "waiting"
+        if status != "ready":
+            return "compiling"
+        verdict = self.verdicts.get(bucket)
+        return "trial" if verdict is None else "kept" if verdict else "dropped"
+
+    @property
+    def state(self) -> str:
+        """The one-request graph's state (`batched_states()` gives the others')."""
+        return self.bucket_state(ONE)
+
+    def bucket_rows(self, bucket: int) -> tuple[int, int | None]:
+        """The batch sizes of a bucket other than ONE (>= 1, as cuts[0] is 1): lo..hi (hi None: no bound)."""
+        return self.cuts[bucket - 1] + 1, self.cuts[bucket] if bucket < len(self.cuts) else None
+
+    def batched_states(self) -> dict[str, str]:
+        """`lo-hi` (or `lo+`) -> state, for every bucket of several rows met so far."""
+        out = {}
+        for bucket in sorted(b for b in self.compiles if b != ONE):
+            lo, hi = self.bucket_rows(bucket)
+            out[f"{lo}-{hi}" if hi is not None else f"{lo}+"] = self.bucket_state(bucket)
+        return out
+
+    # ---- the compiles ----
+    def _compile(self, bucket: int) -> None:
+        """Compiles `bucket`'s graph with a dummy forward of the fewest rows it holds."""
+        self.compiles[bucket] = "compiling"
+        rows = 1 if bucket == ONE else self.bucket_rows(bucket)[0]
+        # built outside inference mode, as the runner builds its batches: the graph's guards check
+        # the tensors' dispatch keys
+        with torch.inference_mode(False):  # `on` compiles inside a step's forward
+            # a context longer than the batch: a dummy whose sizes coincide trips Dynamo's guards
+            fb = ForwardBatch.on_padding_slot(rows, DUMMY_CONTEXT + rows)
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                self._run(ForwardBatch.on_padding_slot(1, DUMMY_CONTEXT))
+            # no duck sizing: the dummy's batch size must not be tied to another size that it equals
+            with self.busy, torch.inference_mode(), fx_config.patch(use_duck_shape=False):
+                self._run(fb)
         except Exception as exc:  # the eager forward stays; a compiler failure is no request's fault
-            self.state = "failed"
-            logger.warning("compiling the one-row decode forward failed; it stays eager: %s: %s",
-                           type(exc).__name__, exc)
+            self.compiles[bucket] = "failed"
+            logger.warning("compiling the decode forward for %d-row batches failed; they stay eager: %s: %s",
+                           rows, type(exc).__name__, exc)
             return
-        self.compile_s = time.perf_counter() - t0
-        logger.info("compiled the one-row decode forward in %.1f s", self.compile_s)
-        self.state = "trial"
+        seconds = time.perf_counter() - t0
+        self.compile_s = (self.compile_s or 0.0) + seconds
+        logger.info("compiled the decode forward for %d-row batches in %.1f s", rows, seconds)
+        self.trials[bucket] = Trial()
+        if self.mode == "on":
+            self.verdicts[bucket] = True
+        self.compiles[bucket] = "ready"
+
+    def _request(self, bucket: int) -> None:
+        """Queues `bucket`'s compile for the background thread (auto), or compiles it now (on)."""
+        if self.mode == "on":
+            self._compile(bucket)
+            return
+        with self.lock:
+            self.compiles[bucket] = "queued"
+            self.queue.append(bucket)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._drain, name="stemma-compile", daemon=True)
+                self.thread.start()
+
+    def _drain(self) -> None:
+        # Tracing is Python that holds the GIL, and every op of an eager step released and must
+        # take it back: at the default 5 ms switch interval a step stalled for seconds while a
+        # compile ran. A short interval while the compile thread lives hands the GIL back soon.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL)
+        try:
+            while not self.failed:
+                with self.lock:
+                    if not self.queue:
+                        self.thread = None
+                        return
+                    bucket = self.queue.pop(0)
+                self._compile(bucket)
+        finally:
+            sys.setswitchinterval(interval)
+            with self.lock:
+                self.thread = None
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
         self.model.refresh_cached()
         return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, decoder=self.graph))
 
     # ---- use ----
-    @staticmethod
-    def eligible(fb: ForwardBatch) -> bool:
-        return fb.batch_size == 1 and fb.num_tokens == 1
+    def bucket(self, fb: ForwardBatch) -> int | None:
+        """The graph that would serve this forward, when every request decodes one token; else None."""
+        if fb.num_tokens != fb.batch_size:
+            return None
+        return ONE if fb.batch_size == 1 else bisect.bisect_left(self.cuts, fb.batch_size)
 
     def wants(self, fb: ForwardBatch) -> bool:
-        """Whether this forward should run compiled (during the trial: every other one)."""
-        if self.state == "waiting" and fb.batch_size == 1:
-            self.single_seen += 1
-            if self.single_seen >= START_AFTER:
-                self.state = "compiling"
-                self.thread = threading.Thread(target=self._compile, name="stemma-compile", daemon=True)
-                self.thread.start()
-        if not self.eligible(fb):
+        """Whether this forward should run compiled (during a bucket's trial: every other one)."""
+        bucket = self.bucket(fb)
+        if bucket is not None or fb.batch_size == 1:
+            self._seen()
+        if bucket is None or not self.started or self.failed:
             return False
-        if self.state == "trial":
-            return self.trial.compiled_next()
-        return self.state == "kept"
+        if bucket not in self.compiles:
+            self._request(bucket)
+        if self.compiles[bucket] != "ready":
+            return False
+        verdict = self.verdicts.get(bucket)
+        return self.trials[bucket].compiled_next() if verdict is None else verdict
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
-        """The logits of a forward that `wants` compiled, or None when the graph failed (the
-        caller then runs it eager; the graph is not tried again)."""
+        """The logits of a forward that `wants` compiled, or None: the caller then runs it eager
+        (a compile holds the graphs' backend; or the graph failed, and no graph is tried again)."""
+        if not self.busy.acquire(blocking=False):
+            return None
         t0 = time.perf_counter()
         try:
             logits = self._run(fb)
         except Exception as exc:
-            self.state = "failed"
+            self.failed = True
             logger.warning("the compiled decode forward failed; eager from now on: %s: %s",
                            type(exc).__name__, exc)
             return None
+        finally:
+            self.busy.release()
         self.calls += 1
-        self.timed(True, time.perf_counter() - t0)
+        self.timed(fb, True, time.perf_counter() - t0)
         return logits
 
-    def timed(self, compiled: bool, seconds: float) -> None:
-        """A trial forward's time; once the trial has its verdict, the faster kind is kept."""
-        if self.state != "trial":
+    def timed(self, fb: ForwardBatch, compiled: bool, seconds: float) -> None:
+        """A forward's time; once a bucket's trial has its verdict, the faster kind is kept."""
+        bucket = self.bucket(fb)
+        if bucket is None or self.failed or self.compiles.get(bucket) != "ready" or bucket in self.verdicts:
             return
-        self.trial.record(compiled, seconds)
-        verdict = self.trial.verdict()
+        if self.busy.locked():  # a compile shares the cores: no fair sample
+            return
+        trial = self.trials[bucket]
+        trial.record(compiled, seconds)
+        verdict = trial.verdict()
         if verdict is not None:
-            self.state = "kept" if verdict else "dropped"
-            logger.info("one-row decode forward: compiled %.1f ms, eager %.1f ms: %s kept",
-                        self.trial.median_ms(True), self.trial.median_ms(False),
-                        "compiled" if verdict else "eager")
+            self.verdicts[bucket] = verdict
+            logger.info("decode forward, %s rows: compiled %.1f ms, eager %.1f ms: %s kept",
+                        "1" if bucket == ONE else "-".join(map(str, self.bucket_rows(bucket))),
+                        trial.median_ms(True), trial.median_ms(False), "compiled" if verdict else "eager")
+
+    def _seen(self) -> None:
+        if not self.started:
+            self.decodes_seen += 1
+            self.started = self.decodes_seen >= START_AFTER
+
+    def saving(self, rows: int) -> float:
+        """Seconds a plain step of `rows` decodes saves by its bucket's graph (its trial's median
+        eager minus compiled forward; 0 where no graph is kept). A step of verifies is no decode
+        forward, so this is also where a bucket that only ever verifies is met and queued; while
+        its graph is on trial the saving is taken as unbounded, so that plain steps give the
+        trial its forwards."""
+        bucket = ONE if rows == 1 else bisect.bisect_left(self.cuts, rows)
+        self._seen()
+        if self.failed or not self.started:
+            return 0.0
+        if bucket not in self.compiles:
+            self._request(bucket)
+        if self.compiles[bucket] == "ready" and bucket not in self.verdicts:
+            return math.inf
+        if not self.verdicts.get(bucket):
+            return 0.0
+        eager, compiled = self.trials[bucket].median_ms(False), self.trials[bucket].median_ms(True)
+        if eager is None or compiled is None:  # `on`: kept untimed
+            return 0.0
+        return max(0.0, (eager - compiled) / 1e3)
 
     def stats(self) -> dict:
+        one = self.trials.get(ONE, Trial())
         return {"state": self.state, "compile_s": self.compile_s,
-                "compiled_ms": self.trial.median_ms(True), "eager_ms": self.trial.median_ms(False)}
+                "compiled_ms": one.median_ms(True), "eager_ms": one.median_ms(False),
+                "batched": self.batched_states()}

@@ -54,6 +54,7 @@ class ModelRunner:
         self.backend = make_attention_backend(config.attention_backend, self.device)
         mode = resolve_mode(config.compile_decode, self.device, config.attention_backend)
         self.compiled = CompiledDecode(self.model, self.pool, mode) if mode != "off" else None
+        self.ran_compiled = False   # whether the last forward ran a compiled graph
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -61,14 +62,16 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(fb)
         compiled = self.compiled
+        self.ran_compiled = False
         if compiled is not None and compiled.wants(fb):
             logits = compiled.forward(fb)
             if logits is not None:
+                self.ran_compiled = True
                 return logits
         t0 = time.perf_counter()
         logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool))
-        if compiled is not None and compiled.state == "trial" and compiled.eligible(fb):
-            compiled.timed(False, time.perf_counter() - t0)
+        if compiled is not None:
+            compiled.timed(fb, False, time.perf_counter() - t0)
         return logits
 
     def prepare(self, token_lists, req_rows, prefix_lens, logit_starts=None) -> ForwardBatch:

@@ -5,15 +5,17 @@ A draft length is chosen per step for the whole batch: draft tokens are added on
 best expected gain first, while they raise the expected tokens per second of the step. A draft
 token j of request r is accepted with probability alpha_r^(j+1), alpha_r the request's measured
 acceptance rate (blended with its drafter's, while the request has little history); a step's
-time comes from `StepCost`, fitted on this machine's own steps. When the batch is compute-bound,
-an extra row costs more than it is expected to return, and no request speculates. Under an ITL
+time comes from `StepCost`, fitted on this machine's own eager steps. When the batch is
+compute-bound, an extra row costs more than it is expected to return, and no request speculates;
+nor does it when a compiled decode graph makes the plain step cheaper than the verify step's
+expected gain (verify steps run eager). Under an ITL
 target the scheduler caps the step's draft tokens at what keeps it within the target.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -110,6 +112,8 @@ class Speculation:
         self.priors = {**drafter.sources, FORCED: FORCED_PRIOR}
         self.sources = {name: Rate() for name in self.priors}
         self.counters = SpecCounters()
+        # seconds a compiled decode graph saves a plain step of n decodes (the engine sets it)
+        self.compiled_saving: Callable[[int], float] | None = None
 
     # ---- planning ----
     def extend(self, plan: StepPlan, indices: list[int], guard: Guard | None = None,
@@ -169,25 +173,36 @@ class Speculation:
 
     def choose(self, decodes: int, cands: list[tuple[float, int]], max_rows: int | None = None) -> list[int]:
         """Draft lengths for candidates (alpha, most drafts) in a step of `decodes` decodes, at
-        most `max_rows` in all."""
+        most `max_rows` in all. Drafts are taken best expected gain first; of every number of
+        them so taken, the one with the most expected tokens per second wins (none: the plain
+        step, which a compiled decode graph may make cheaper than any step that verifies)."""
         lengths = [0] * len(cands)
         if not cands or self.cost.steps == 0:
             return lengths  # no measured step yet: nothing to weigh drafts against
+        plain = self.cost.predict(decodes, 0, 0)
+        if self.compiled_saving is not None:
+            plain = max(plain - self.compiled_saving(decodes), 1e-6)
         tokens, rows, speculating = float(decodes), 0, 0
-        time = self.cost.predict(decodes, 0, 0)
+        best_rate, best_rows, taken = tokens / plain, 0, []
         heap = [(-alpha, j) for j, (alpha, _) in enumerate(cands)]
         heapq.heapify(heap)
         while heap and (max_rows is None or rows < max_rows):
             neg_gain, j = heapq.heappop(heap)
             more = speculating + (lengths[j] == 0)
-            new_time = self.cost.predict(decodes, rows + 1, more)
-            if new_time <= 0 or (tokens - neg_gain) / new_time <= tokens / time:
+            time = self.cost.predict(decodes, rows + 1, more)
+            if time <= 0:
                 break
+            tokens, rows, speculating = tokens - neg_gain, rows + 1, more
             lengths[j] += 1
-            tokens, rows, speculating, time = tokens - neg_gain, rows + 1, more, new_time
+            taken.append(j)
+            if tokens / time > best_rate:
+                best_rate, best_rows = tokens / time, rows
             alpha, most = cands[j]
             if lengths[j] < most:
                 heapq.heappush(heap, (-alpha ** (lengths[j] + 1), j))
+        lengths = [0] * len(cands)
+        for j in taken[:best_rows]:
+            lengths[j] += 1
         return lengths
 
     # ---- booking ----
