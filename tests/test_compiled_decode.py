@@ -47,42 +47,15 @@ def reference(folder):
     return out
 
 
-def test_compiled_forward_matches_eager(folder, reference):
-    engine = make(folder, compile_decode="off")
-    force_packed(engine)
-    compiled = engine.runner.compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "on")
-    assert compiled.state == "kept"
-    # one request at a time: every decode step is a one-row forward, which the graph serves
-    assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == reference
-    assert compiled.calls >= len(PROMPTS) * (GREEDY.max_new_tokens - 1)
-    # the logits themselves, compiled and eager, on one request's next position
-    (req,) = engine.submit(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
-    while len(req.output_ids) < 2:
-        engine.step()
-    runner = engine.runner
-    fb = runner.prepare([[req.output_ids[-1]]], [req.row], [req.kv_len])
-    assert compiled.bucket(fb) == ONE
-    with torch.inference_mode():
-        got = compiled.forward(fb)
-        runner.compiled = None
-        want = runner.forward(fb)
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=1e-5)
-    runner.pool.allocator.free(fb.out_slots)
-    runner.compiled = compiled
-    engine.abort(req.rid)
-    # batches of several requests decoding run the graph of their bucket (compiled in the step
-    # that first meets it, under `on`), and give the same tokens
-    calls = compiled.calls
-    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
-    assert compiled.calls - calls >= GREEDY.max_new_tokens - 1
-    assert compiled.cuts == (1,) and compiled.batched_states() == {"2+": "kept"}
-    # its logits against eager, three requests at different lengths
+def assert_logits_match(engine, compiled, prompts, bucket):
+    """The next position's logits of `prompts` decoding together, compiled (in `bucket`) and eager."""
     reqs = [engine.submit(p, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))[0]
-            for p in PROMPTS[:3]]
+            for p in prompts]
     while any(len(r.output_ids) < 2 for r in reqs):
         engine.step()
+    runner = engine.runner
     fb = runner.prepare([[r.output_ids[-1]] for r in reqs], [r.row for r in reqs], [r.kv_len for r in reqs])
-    assert compiled.bucket(fb) == 1 and compiled.wants(fb)
+    assert compiled.bucket(fb) == bucket and compiled.wants(fb)
     with torch.inference_mode():
         got = compiled.forward(fb)
         runner.compiled = None
@@ -92,6 +65,27 @@ def test_compiled_forward_matches_eager(folder, reference):
     runner.compiled = compiled
     for r in reqs:
         engine.abort(r.rid)
+
+
+def test_compiled_forward_matches_eager(folder, reference):
+    engine = make(folder, compile_decode="off")
+    force_packed(engine)
+    compiled = engine.runner.compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "on")
+    assert compiled.state == "kept"
+    # one request at a time: every decode step is a one-row forward, which the graph serves
+    assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == reference
+    assert compiled.calls >= len(PROMPTS) * (GREEDY.max_new_tokens - 1)
+    # the logits themselves, compiled and eager, on one request's next position
+    assert_logits_match(engine, compiled, PROMPTS[1:2], ONE)
+    # batches of several requests decoding run the graph of their bucket (compiled in the step
+    # that first meets it, under `on`), and give the same tokens
+    calls = compiled.calls
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert compiled.calls - calls >= GREEDY.max_new_tokens - 1
+    assert compiled.cuts == (1,) and compiled.batched_states() == {"2+": "kept"}
+    # its logits against eager, three requests at different lengths
+    assert_logits_match(engine, compiled, PROMPTS[:3], 1)
+    runner = engine.runner
     # a forward with a prefill in it runs eager
     mixed = runner.prepare([[1], [2, 3, 4]], [0, 1], [5, 0])
     assert compiled.bucket(mixed) is None and not compiled.wants(mixed)
