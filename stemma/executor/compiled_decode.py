@@ -142,6 +142,7 @@ class CompiledDecode:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()          # queue and thread
         self.busy = threading.Lock()          # held by a compile: the graphs' backend is in use
+        self.switch_interval = sys.getswitchinterval()  # the GIL's, restored when compiles end
         if mode == "on":
             self.started = True
             self._compile(ONE)
@@ -220,20 +221,15 @@ class CompiledDecode:
         # Tracing is Python that holds the GIL, and every op of an eager step released and must
         # take it back: at the default 5 ms switch interval a step stalled for seconds while a
         # compile ran. A short interval while the compile thread lives hands the GIL back soon.
-        interval = sys.getswitchinterval()
         sys.setswitchinterval(COMPILE_SWITCH_INTERVAL)
-        try:
-            while not self.failed:
-                with self.lock:
-                    if not self.queue:
-                        self.thread = None
-                        return
-                    bucket = self.queue.pop(0)
-                self._compile(bucket)
-        finally:
-            sys.setswitchinterval(interval)
-            with self.lock:
-                self.thread = None
+        while True:
+            with self.lock:  # under the lock: a bucket queued after this starts the next thread
+                if self.failed or not self.queue:
+                    sys.setswitchinterval(self.switch_interval)
+                    self.thread = None
+                    return
+                bucket = self.queue.pop(0)
+            self._compile(bucket)  # raises nothing: a failed compile marks its bucket
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
         self.model.refresh_cached()
@@ -244,7 +240,10 @@ class CompiledDecode:
         """The graph that would serve this forward, when every request decodes one token; else None."""
         if fb.num_tokens != fb.batch_size:
             return None
-        return ONE if fb.batch_size == 1 else bisect.bisect_left(self.cuts, fb.batch_size)
+        return self._bucket_of(fb.batch_size)
+
+    def _bucket_of(self, rows: int) -> int:
+        return ONE if rows == 1 else bisect.bisect_left(self.cuts, rows)
 
     def wants(self, fb: ForwardBatch) -> bool:
         """Whether this forward should run compiled (during a bucket's trial: every other one)."""
@@ -306,7 +305,7 @@ class CompiledDecode:
         forward, so this is also where a bucket that only ever verifies is met and queued; while
         its graph is on trial the saving is taken as unbounded, so that plain steps give the
         trial its forwards."""
-        bucket = ONE if rows == 1 else bisect.bisect_left(self.cuts, rows)
+        bucket = self._bucket_of(rows)
         self._seen()
         if self.failed or not self.started:
             return 0.0
