@@ -84,6 +84,13 @@ class EngineConfig:
                                    "(stemma.speculative)")
     speculative_max_tokens: int = doc(8, f"most draft tokens a request verifies in one step; in "
                                          f"[1, {MAX_DRAFT_TOKENS}]")
+    speculative_max_verify_steps: float = doc(1.5, "a step that verifies drafts is planned to "
+                                                   "take at most this many one-row decode steps "
+                                                   "of this machine (eager, as the drafts' cost "
+                                                   "fit predicts it): its time is the gap before "
+                                                   "each of its tokens, so this bounds what "
+                                                   "speculation adds to the inter-token latency "
+                                                   "tail; inf: no bound")
     # limits on one request (stemma.engine.limits): past one, submission fails naming it
     max_prompt_tokens: int | None = doc(None, "longest prompt in tokens; not given: the context "
                                               "length less one")
@@ -160,6 +167,9 @@ class EngineConfig:
                 self.speculative.startswith("draft:") and len(self.speculative) > len("draft:")):
             raise ValueError(f"speculative must be none, ngram or draft:<model path>, got "
                              f"{self.speculative!r}")
+        if not self.speculative_max_verify_steps >= 1.0:
+            raise ValueError(f"speculative_max_verify_steps must be >= 1 (inf: no bound), got "
+                             f"{self.speculative_max_verify_steps}")
         if not 1 <= self.speculative_max_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"speculative_max_tokens must be in [1, {MAX_DRAFT_TOKENS}], got "
                              f"{self.speculative_max_tokens}")

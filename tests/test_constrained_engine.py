@@ -108,7 +108,7 @@ def test_constrained_requests_speculate_with_the_outputs_of_plain_decoding(folde
     prompts = [[9 + i, 30, 31] for i in range(len(pairs))]
     want = make(folder, enable_jump_forward=jump).generate(prompts, params)
     on = make(folder, speculative="ngram", enable_jump_forward=jump)
-    on.spec.choose = lambda decodes, cands, max_rows=None: [most for _, most in cands]  # every proposal verified
+    on.spec.choose = lambda decodes, cands, *_: [most for _, most in cands]  # every proposal verified
     for _ in range(2):
         got = on.generate(prompts, params)
         for a, b, (_, check) in zip(got, want, pairs):
@@ -128,7 +128,7 @@ def test_forced_text_is_a_free_draft_where_jump_forward_does_not_run(folder):
     prompts = [[3, 4, 5], [6, 7], [8]]
     want = make(folder).generate(prompts, params)
     on = make(folder, speculative="ngram")
-    on.spec.choose = lambda decodes, cands, max_rows=None: [most for _, most in cands]
+    on.spec.choose = lambda decodes, cands, *_: [most for _, most in cands]
     got = on.generate(prompts, params)
     for a, b in zip(got, want):
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)

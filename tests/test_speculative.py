@@ -6,6 +6,8 @@ distribution (a chi-square test), and the KV pool must be whole after every run.
 tests drafts are forced to their longest (`force_drafts`), so every proposal is verified whatever
 the step-cost model would choose; the choice itself is tested on its own.
 """
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -36,7 +38,7 @@ def repetitive_prompts(n=12, seed=1):
 
 def force_drafts(engine):
     """Every proposal verified at its full length (the cost model is bypassed)."""
-    engine.spec.choose = lambda decodes, cands, max_rows=None: [most for _, most in cands]
+    engine.spec.choose = lambda decodes, cands, *_: [most for _, most in cands]
     return engine
 
 
@@ -103,6 +105,7 @@ def spec_with_cost(a, b, c):
     spec = Speculation.__new__(Speculation)
     spec.cost = StepCost()
     spec.compiled_saving = None
+    spec.max_verify_steps = math.inf
     rng = np.random.default_rng(1)
     for _ in range(200):
         rows, drafts = int(rng.integers(1, 64)), int(rng.integers(0, 20))
@@ -128,6 +131,10 @@ def test_a_compiled_plain_step_is_weighed_against_the_eager_verify_step():
     spec = spec_with_cost(0.030, 0.001, 0.001)
     spec.compiled_saving = lambda decodes: 0.025   # the plain step 6 ms: 8 drafts at 0.9 do not pay
     assert spec.choose(1, [(0.9, 8)]) == [0]
+    # a step that also prefills runs eager with or without drafts: its graph is not even asked
+    # (asking would queue a compile for a batch size that no decode forward may ever have)
+    spec.compiled_saving = lambda decodes: pytest.fail("a mixed step asked for a graph's saving")
+    assert spec.choose(1, [(0.9, 8)], decode_only=False) == [8]
     # the plain step 16 ms: one draft alone does not pay for the eager step (1.9 tokens in 32 ms),
     # eight do (6.1 tokens in 39 ms)
     spec.compiled_saving = lambda decodes: 0.015
@@ -136,7 +143,40 @@ def test_a_compiled_plain_step_is_weighed_against_the_eager_verify_step():
     assert spec.choose(1, [(0.9, 8)]) == [8]
 
 
+def test_a_verify_step_is_bounded_in_one_row_steps():
+    spec = spec_with_cost(0.030, 0.001, 0.001)     # the one-row step 31 ms, a draft 1 ms
+    assert spec.choose(1, [(0.9, 8)]) == [8]
+    spec.max_verify_steps = 1.1                     # 34.1 ms: three drafts
+    assert spec.choose(1, [(0.9, 8)]) == [3]
+    spec.max_verify_steps = 1.5                     # 46.5 ms: all eight alone ...
+    assert spec.choose(1, [(0.9, 8)]) == [8]
+    # ... and 12 among 4 decodes (34 ms plain), the likeliest first
+    lengths = spec.choose(4, [(0.9, 8), (0.9, 8), (0.5, 8), (0.5, 8)])
+    assert sum(lengths) == 12 and lengths[0] + lengths[1] > lengths[2] + lengths[3]
+    # 16 decodes: the plain step (46 ms eager) leaves room for none; unbounded, drafts pay
+    assert spec.choose(16, [(0.9, 8)] * 16) == [0] * 16
+    spec.max_verify_steps = math.inf
+    assert sum(spec.choose(16, [(0.9, 8)] * 16)) > 16
+    # against a compiled plain step (40 ms), drafts must also pay for the eager jump: the four
+    # that fit at 50 ms (19.6 tokens against 16 in 40 ms) do not
+    spec.compiled_saving = lambda decodes: 0.006
+    assert sum(spec.choose(16, [(0.9, 8)] * 16)) > 16
+    spec.max_verify_steps = 50 / 31
+    assert sum(spec.choose(16, [(0.9, 8)] * 16)) == 0
+
+
 # ---------------------------------------------------------------- the engine
+def test_steps_slowed_by_a_background_compile_stay_out_of_the_cost_fit(folder):  # noqa: F811
+    engine = make(folder, speculative="ngram")
+    engine._compiling = lambda: True   # Dynamo's tracing holds the GIL: these steps measure nothing
+    engine.generate(repetitive_prompts()[0], GREEDY)
+    assert engine.spec.cost.steps == 0
+    engine._compiling = lambda: False
+    engine.generate(repetitive_prompts()[1], GREEDY)
+    assert engine.spec.cost.steps > 0
+    finish_clean(engine)
+
+
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_invariance_with_speculation(folder, spec_reference, case):  # noqa: F811

@@ -189,6 +189,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One step if there is work; returns the requests that got output or finished."""
         start = time.perf_counter()
+        compiling = self._compiling()
         plan = self.scheduler.schedule()
         if not plan:
             return plan.finished
@@ -206,9 +207,13 @@ class Engine:
         counters = self.scheduler.counters
         counters.steps += 1
         counters.busy_time += seconds
-        if self.spec is not None and not self.runner.ran_compiled:  # its fit is of eager steps
+        # its fit is of eager steps, and of none slowed down by a background compile
+        if self.spec is not None and not self.runner.ran_compiled and not (compiling or self._compiling()):
             self.spec.observe(plan, seconds)
         return touched
+
+    def _compiling(self) -> bool:
+        return self.runner.compiled is not None and self.runner.compiled.compiling
 
     def idle_timeout(self) -> float:
         """How long `wait_for_work` may wait after a step that ran nothing (Scheduler.idle_timeout)."""

@@ -256,7 +256,10 @@ class Scheduler:
             scheduled.update(id(r) for r in decodes)
             plan.decodes = len(decodes)
             if self.spec is not None:
-                self.spec.extend(plan, list(range(len(decodes))), self.constrainer, self._draft_room(plan))
+                # decode-only as far as is known now: nothing to prefill, nobody waiting
+                decode_only = not self.waiting and all(r.is_decoding for r in self.running)
+                self.spec.extend(plan, list(range(len(decodes))), self.constrainer, self._draft_room(plan),
+                                 decode_only)
         for req in [r for r in self.running if not r.is_decoding]:
             if req.state is not ReqState.RUNNING:
                 continue  # retracted by an earlier one's allocation in this loop: it waits now

@@ -161,6 +161,12 @@ class CompiledDecode:
         return "trial" if verdict is None else "kept" if verdict else "dropped"
 
     @property
+    def compiling(self) -> bool:
+        """Whether the background thread has a compile queued or running: Dynamo's tracing then
+        holds the GIL, and an eager step takes several times as long as it otherwise would."""
+        return self.thread is not None
+
+    @property
     def state(self) -> str:
         """The one-request graph's state (`batched_states()` gives the others')."""
         return self.bucket_state(ONE)

@@ -8,12 +8,17 @@ acceptance rate (blended with its drafter's, while the request has little histor
 time comes from `StepCost`, fitted on this machine's own eager steps. When the batch is
 compute-bound, an extra row costs more than it is expected to return, and no request speculates;
 nor does it when a compiled decode graph makes the plain step cheaper than the verify step's
-expected gain (verify steps run eager). Under an ITL
-target the scheduler caps the step's draft tokens at what keeps it within the target.
+expected gain (verify steps run eager). A verify step's time is the gap before each of its
+tokens, so it is bounded, whatever the drafts gain on average: at most `max_verify_steps`
+one-row decode steps (eager, as the fit predicts them). A lone stream keeps its drafts; a batch
+whose plain step is already near the bound gets few or none, so speculation does not stretch
+the inter-token latency tail of a busy engine. Under an ITL target the scheduler caps the step's draft tokens at what keeps it within
+the target.
 """
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -102,8 +107,9 @@ def _cut(drafts: list[tuple[list[int], str]], reqs: list[Request],
 
 class Speculation:
     def __init__(self, drafter: Drafter, max_tokens: int, max_context: int, cache: RadixCache,
-                 req_to_slot: ReqToSlot):
+                 req_to_slot: ReqToSlot, max_verify_steps: float = math.inf):
         self.max_tokens = max_tokens
+        self.max_verify_steps = max_verify_steps
         self.max_context = max_context
         self.cache = cache
         self.req_to_slot = req_to_slot
@@ -117,9 +123,11 @@ class Speculation:
 
     # ---- planning ----
     def extend(self, plan: StepPlan, indices: list[int], guard: Guard | None = None,
-               max_rows: int | None = None) -> None:
+               max_rows: int | None = None, decode_only: bool = True) -> None:
         """Gives the decoding requests at plan `indices` drafts, when they pay, with their slots;
         at most `max_rows` draft tokens in all (the step's latency target; None: no cap).
+        `decode_only`: no prefill joins the step, so without drafts it would be a decode forward,
+        which a compiled graph may serve (a mixed step runs eager either way).
         A constrained request speculates only under a `guard`: its drafts stop at the first token
         its constraint forbids, and where the constraint forces text, that text is its draft."""
         reqs, limits = [], []
@@ -142,12 +150,13 @@ class Speculation:
             drafts = _cut(self.drafter.propose([r for _, r in reqs], limits), [r for _, r in reqs], guard)
             drafts = [(forced[j], FORCED) if j in forced else d for j, d in enumerate(drafts)]
             lengths = self.choose(len(indices), [(self._alpha(r, src), len(t))
-                                                 for (_, r), (t, src) in zip(reqs, drafts)], max_rows)
+                                                 for (_, r), (t, src) in zip(reqs, drafts)], max_rows,
+                                  decode_only)
         else:
             (source,) = self.drafter.sources
             lengths = self.choose(len(indices), [
                 (self._alpha(r, FORCED), len(forced[j])) if j in forced else (self._alpha(r, source), k)
-                for j, ((_, r), k) in enumerate(zip(reqs, limits))], max_rows)
+                for j, ((_, r), k) in enumerate(zip(reqs, limits))], max_rows, decode_only)
             chosen = [(j, r) for j, (_, r) in enumerate(reqs) if lengths[j] and j not in forced]
             drafts = [(forced[j], FORCED) if j in forced else ([], source) for j in range(len(reqs))]
             proposed = self.drafter.propose([r for _, r in chosen], [lengths[j] for j, _ in chosen])
@@ -171,17 +180,22 @@ class Speculation:
         prior = self.sources[source].alpha(self.priors[source], PRIOR_WEIGHT)
         return req.spec_state.rate.alpha(prior, PRIOR_WEIGHT)
 
-    def choose(self, decodes: int, cands: list[tuple[float, int]], max_rows: int | None = None) -> list[int]:
+    def choose(self, decodes: int, cands: list[tuple[float, int]], max_rows: int | None = None,
+               decode_only: bool = True) -> list[int]:
         """Draft lengths for candidates (alpha, most drafts) in a step of `decodes` decodes, at
         most `max_rows` in all. Drafts are taken best expected gain first; of every number of
         them so taken, the one with the most expected tokens per second wins (none: the plain
-        step, which a compiled decode graph may make cheaper than any step that verifies)."""
+        step, which a compiled decode graph may make cheaper than any step that verifies, when
+        the step is `decode_only`; a mixed step's graph is never asked, so that no prefill queues
+        a compile for a batch size no decode forward has). No
+        step is predicted past max_verify_steps one-row steps."""
         lengths = [0] * len(cands)
         if not cands or self.cost.steps == 0:
             return lengths  # no measured step yet: nothing to weigh drafts against
         plain = self.cost.predict(decodes, 0, 0)
-        if self.compiled_saving is not None:
+        if self.compiled_saving is not None and decode_only:
             plain = max(plain - self.compiled_saving(decodes), 1e-6)
+        longest = self.max_verify_steps * self.cost.predict(1, 0, 0)
         tokens, rows, speculating = float(decodes), 0, 0
         best_rate, best_rows, taken = tokens / plain, 0, []
         heap = [(-alpha, j) for j, (alpha, _) in enumerate(cands)]
@@ -190,8 +204,8 @@ class Speculation:
             neg_gain, j = heapq.heappop(heap)
             more = speculating + (lengths[j] == 0)
             time = self.cost.predict(decodes, rows + 1, more)
-            if time <= 0:
-                break
+            if time <= 0 or time > longest:
+                break  # drafts are taken in order of gain: the choice ends at the first past the bound
             tokens, rows, speculating = tokens - neg_gain, rows + 1, more
             lengths[j] += 1
             taken.append(j)
@@ -251,4 +265,5 @@ def make_speculation(config, cache: RadixCache, req_to_slot: ReqToSlot, max_cont
     else:
         raise ValueError(f"speculative must be none, ngram or draft:<model path>, got "
                          f"{config.speculative!r}")
-    return Speculation(drafter, config.speculative_max_tokens, max_context, cache, req_to_slot)
+    return Speculation(drafter, config.speculative_max_tokens, max_context, cache, req_to_slot,
+                       config.speculative_max_verify_steps)
