@@ -177,7 +177,6 @@ def test_steps_slowed_by_a_background_compile_stay_out_of_the_cost_fit(folder): 
     finish_clean(engine)
 
 
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_invariance_with_speculation(folder, spec_reference, case):  # noqa: F811
     engine = force_drafts(make(folder, speculative="ngram", **CASES[case]))

@@ -257,7 +257,7 @@ class Scheduler:
             plan.decodes = len(decodes)
             if self.spec is not None:
                 # decode-only as far as is known now: nothing to prefill, nobody waiting
-                decode_only = not self.waiting and all(r.is_decoding for r in self.running)
+                decode_only = not self.waiting and len(decodes) == len(self.running)
                 self.spec.extend(plan, list(range(len(decodes))), self.constrainer, self._draft_room(plan),
                                  decode_only)
         for req in [r for r in self.running if not r.is_decoding]:

@@ -12,8 +12,8 @@ expected gain (verify steps run eager). A verify step's time is the gap before e
 tokens, so it is bounded, whatever the drafts gain on average: at most `max_verify_steps`
 one-row decode steps (eager, as the fit predicts them). A lone stream keeps its drafts; a batch
 whose plain step is already near the bound gets few or none, so speculation does not stretch
-the inter-token latency tail of a busy engine. Under an ITL target the scheduler caps the step's draft tokens at what keeps it within
-the target.
+the inter-token latency tail of a busy engine. Under an ITL target the scheduler caps the step's
+draft tokens at what keeps it within the target.
 """
 from __future__ import annotations
 
@@ -187,8 +187,8 @@ class Speculation:
         them so taken, the one with the most expected tokens per second wins (none: the plain
         step, which a compiled decode graph may make cheaper than any step that verifies, when
         the step is `decode_only`; a mixed step's graph is never asked, so that no prefill queues
-        a compile for a batch size no decode forward has). No
-        step is predicted past max_verify_steps one-row steps."""
+        a compile for a batch size no decode forward has). No step is predicted past
+        max_verify_steps one-row steps."""
         lengths = [0] * len(cands)
         if not cands or self.cost.steps == 0:
             return lengths  # no measured step yet: nothing to weigh drafts against
