@@ -208,3 +208,42 @@ def test_a_failing_body_aborts_the_calls_in_flight(engine, backend):
     with pytest.raises(stemma.VariableNotGenerated, match="'never'"):
         doomed.run(backend=backend)
     assert engine.stats()["generated_tokens"] - before < 100  # the long gen was aborted
+
+
+def test_a_finished_call_wakes_its_program_before_the_next_step(engine, backend, monkeypatch):
+    """A program body on its thread reads its call's result and submits its next call between
+    two steps, while another program keeps the engine stepping (the settle's slice widened here
+    so that a slow machine's thread wake-ups fit in it)."""
+    import stemma.lang.backends.engine as engine_backend
+    monkeypatch.setattr(engine_backend, "SETTLE_SLICE_S", 0.1)
+    monkeypatch.setattr(engine_backend, "SETTLE_S", 1.0)
+    steps = engine.scheduler.counters
+    finished_at, submitted_at = {}, {}
+    submit, step = engine.submit, engine.step
+
+    def counted_submit(prompt, params=None, **kw):
+        reqs = submit(prompt, params, **kw)
+        submitted_at[params.max_new_tokens] = steps.steps
+        return reqs
+
+    def counted_step():
+        out = step()
+        for req in out:
+            if req.finished:
+                finished_at[req.params.max_new_tokens] = steps.steps
+        return out
+
+    monkeypatch.setattr(engine, "submit", counted_submit)
+    monkeypatch.setattr(engine, "step", counted_step)
+
+    @stemma.function
+    def both(s):
+        long, short = s.fork(2)
+        long += W[1] + stemma.gen("x", max_new_tokens=40, ignore_eos=True)
+        short += W[2] + stemma.gen("a", max_new_tokens=2, ignore_eos=True)
+        short += " " + short["a"] + stemma.gen("b", max_new_tokens=3, ignore_eos=True)
+        long["x"], short["b"]
+
+    both.run(backend=backend, sampling=GREEDY)
+    assert finished_at[2] < finished_at[40]  # the long call was still running ...
+    assert submitted_at[3] == finished_at[2]  # ... and no step ran between the first call's end and the next

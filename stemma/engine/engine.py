@@ -203,12 +203,15 @@ class Engine:
             return self.scheduler.fail_step(plan, exc)
         touched = self.scheduler.postprocess(plan, out)
         seconds = time.perf_counter() - start
-        self.step_cost.observe(shape, seconds, predicted)
+        # a step a background compile slowed down (Dynamo's tracing holds the GIL, 10x for
+        # seconds) is no sample of what steps cost: neither fit learns from it
+        stalled = compiling or self._compiling()
+        if not stalled:
+            self.step_cost.observe(shape, seconds, predicted)
         counters = self.scheduler.counters
         counters.steps += 1
         counters.busy_time += seconds
-        # its fit is of eager steps, and of none slowed down by a background compile
-        if self.spec is not None and not self.runner.ran_compiled and not (compiling or self._compiling()):
+        if self.spec is not None and not self.runner.ran_compiled and not stalled:  # (a fit of eager steps)
             self.spec.observe(plan, seconds)
         return touched
 

@@ -217,6 +217,7 @@ class _Inbox:
         self.lock = threading.Lock()
         self.calls: deque[tuple[contextvars.Context, Callable[..., Any], tuple]] = deque()
         self.scheduled = False
+        self.posted = 0  # calls posted so far
 
     def post(self, fn: Callable[..., Any], args: tuple) -> None:
         loop = self._loop()
@@ -225,6 +226,7 @@ class _Inbox:
         context = contextvars.copy_context()  # the poster's: a task started there inherits it
         with self.lock:
             self.calls.append((context, fn, args))
+            self.posted += 1
             if self.scheduled:
                 return
             self.scheduled = True
@@ -249,6 +251,12 @@ class _Inbox:
                 except BaseException as exc:  # (the calls posted here do not raise)
                     asyncio.get_running_loop().call_exception_handler(
                         {"message": f"stemma: posted call {fn!r} failed", "exception": exc})
+
+
+def posted(loop: asyncio.AbstractEventLoop) -> int:
+    """How many calls other threads have posted to `loop` so far (program bodies' turns)."""
+    inbox = _INBOXES.get(loop)
+    return 0 if inbox is None else inbox.posted
 
 
 _INBOXES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox]" = \

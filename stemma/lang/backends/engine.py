@@ -4,15 +4,30 @@ Requests are submitted to the engine as they come; one driver task per event loo
 engine while any request is pending, and yields to the loop between steps so that programs can
 submit their next calls. Everything programs submit in one turn of the loop lands in the same
 engine step: that is how a select's choices, or a batch's programs, are batched.
+
+The step runs on the loop, so a program body on its thread is served between steps: its reads of
+the state (`s["x"]`, `get_meta_info`) and its next calls each wait for the step under way. After a
+step that finished a program's call while other requests still run, the loop serves the turns
+that result wakes (the body reads its result, starts a tool or submits its next call) before it
+starts the next one, for as long as the bodies keep posting turns (SETTLE_SLICE_S apart, at most
+SETTLE_S); each of those turns used to wait a whole step. With 48 agent programs on 2 cores
+(`benchmarks/agents.py`), a call's result reached its body ~1 ms after its step instead of ~100
+ms, and the body's next turns (read the result, start its tool) took 15 ms on average instead of
+~190. A program that ends with its call posts nothing, and costs one slice.
+(Running the steps on a thread of their own kept the loop free instead, but on 2 cores the
+programs' turns then ran beside the matmuls: the same workload kept the engine busy 45.9 s
+instead of 35.6 s.)
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from stemma.lang.backends.base import CURRENT_CALL, Backend, OnText
 from stemma.lang.codec import HFCodec, TokenCodec
+from stemma.lang.suspend import posted
 from stemma.outputs import RequestOutput
 from stemma.sampling_params import SamplingParams
 from stemma.text.publisher import Publisher
@@ -20,6 +35,22 @@ from stemma.text.publisher import Publisher
 if TYPE_CHECKING:
     from stemma.engine.engine import Engine
     from stemma.engine.request import Request
+
+
+# After a step that finished a program's call while other requests run, the loop serves the turns
+# it wakes before the next step: until a slice passes with none posted, at most SETTLE_S in all.
+SETTLE_SLICE_S = 0.002
+SETTLE_S = 0.01
+
+
+async def _settle() -> None:
+    """Serves program bodies' turns on this loop while they keep coming (module docstring)."""
+    loop = asyncio.get_running_loop()
+    end = time.perf_counter() + SETTLE_S
+    seen = -1
+    while time.perf_counter() < end and posted(loop) != seen:
+        seen = posted(loop)
+        await asyncio.sleep(SETTLE_SLICE_S)
 
 
 @dataclass
@@ -79,20 +110,24 @@ class EngineBackend(Backend):
                         waiter.future.set_exception(exc)
                 self._waiting.clear()
                 return
+            woken = False
             for waiter in list(self._waiting.values()):
-                self._publish(waiter)
+                woken |= self._publish(waiter)
+            if woken and self._waiting:
+                await _settle()
             if not stepped:  # a batch window is open, or a guide is being built: wait off the
                 timeout = self.engine.idle_timeout()  # loop; a submit wakes it
                 await asyncio.to_thread(self.engine.wait_for_work, timeout)
 
-    def _publish(self, waiter: _Waiter) -> None:
+    def _publish(self, waiter: _Waiter) -> bool:
+        """Passes on what waiter's request produced; True when it finished a program's call."""
         req = waiter.req
         if waiter.published is not None:
             delta = waiter.published.push(req.output_ids)
             if delta:
                 waiter.on_text(delta)
         if not req.finished:
-            return
+            return False
         del self._waiting[req.rid]
         if waiter.published is not None:
             tail = waiter.published.finish()
@@ -102,6 +137,7 @@ class EngineBackend(Backend):
         self.token_usage.add(output.meta)
         if not waiter.future.done():
             waiter.future.set_result(output)
+        return req.call is not None
 
     async def _wait(self, futures: list[asyncio.Future]) -> list[RequestOutput]:
         try:
