@@ -72,7 +72,7 @@ class EngineConfig:
                                  "the KV of programs paused between calls (stemma.engine.programs)")
     program_retention_s: float = doc(30.0, "longest a paused program's KV is retained ahead of "
                                            "other cached prefixes (radix_eviction program)")
-    program_starvation_s: float = doc(5.0, "a program call waiting longer than this is admitted "
+    program_starvation_s: float = doc(15.0, "a program call waiting longer than this is admitted "
                                            "first, whatever its program's attained service "
                                            "(schedule_policy program)")
     random_seed: int | None = doc(None, "seeds the RNG of unseeded sampled requests; not given: "
