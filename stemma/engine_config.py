@@ -73,8 +73,9 @@ class EngineConfig:
     program_retention_s: float = doc(30.0, "longest a paused program's KV is retained ahead of "
                                            "other cached prefixes (radix_eviction program)")
     program_starvation_s: float = doc(15.0, "a program call waiting longer than this is admitted "
-                                           "first, whatever its program's attained service "
-                                           "(schedule_policy program)")
+                                            "first, whatever its program's attained service, and "
+                                            "may evict other programs' retained KV "
+                                            "(schedule_policy program)")
     random_seed: int | None = doc(None, "seeds the RNG of unseeded sampled requests; not given: "
                                         "not seeded")
     enable_jump_forward: bool = doc(True, "constrained decoding appends forced text unsampled")
