@@ -36,10 +36,10 @@ Runs (--configs all):
 --configs fcfs-lru runs the baseline's two runs alone (full pool, half pool), --configs program the
 program policy's (its own full-pool run then gives the working set).
 
-The table: per config and pool, the median over --rounds runs (3; the configs take turns) of:
-total throughput (generated tokens over first arrival to last completion; each round's is shown
-too: the runs differ by up to ~10%, as the tool pauses and arrivals run on the wall clock and the
-calls fall into steps differently each time), p50/p95 program completion time, the prefix hit rate
+The table: per config and pool, the median over --rounds runs (3; the configs take turns, each
+first in every other round) of: total throughput (generated tokens over first arrival to last
+completion; each round's is shown too: the runs differ by up to ~10%, as the tool pauses and
+arrivals run on the wall clock and the calls fall into steps differently each time), p50/p95 program completion time, the prefix hit rate
 (the engine's cached over prompt tokens in the timed part), the engine's retractions, and the CPU
 the machine's other processes used meanwhile (average cores; a run they disturbed is no
 measurement). Acceptance (default model,
@@ -304,13 +304,16 @@ def main() -> None:
     names = list(CONFIGS) if args.configs == "all" else [args.configs]
     work = workload(args)
     runs: dict[tuple[str, str], list[dict]] = {}
-    for rnd in range(args.rounds):  # the configs take turns, so that drift slows each alike
-        for name in names:
+    # the configs take turns, each going first in every other round (A B, B A, ...; the half
+    # pool's rounds go on from where the full pool's left off), so that drift slows each alike
+    turns = (names if rnd % 2 == 0 else names[::-1] for rnd in range(2 * args.rounds))
+    for _ in range(args.rounds):
+        for name in next(turns):
             runs.setdefault((name, "full"), []).append(run(name, args.kv_pool_tokens, work, args))
     first = runs[names[0], "full"][0]
     half = max(first["working_set"] // 2, first["largest_call"])
-    for rnd in range(args.rounds):
-        for name in names:
+    for _ in range(args.rounds):
+        for name in next(turns):
             runs.setdefault((name, "half"), []).append(run(name, half, work, args))
     results = {key: median_run(rs) for key, rs in runs.items()}
 
@@ -324,7 +327,7 @@ def main() -> None:
           f"tool pauses {len(pauses)}, mean {1e3 * statistics.mean(pauses) if pauses else 0:.0f} ms; "
           f"system prompts {'/'.join(map(str, sizes['system']))} tokens; task lines "
           f"{sizes['task'][0]}-{sizes['task'][1]} tokens; observations {sizes['obs'][0]}-{sizes['obs'][1]} tokens")
-    print(f"each figure: the median of {args.rounds} rounds (configs in turns)")
+    print(f"each figure: the median of {args.rounds} rounds (configs in turns, each first in every other round)")
     print(f"working set (peak KV tokens of the live programs, {names[0]} full pool, first round): "
           f"{first['working_set']}; largest call: {first['largest_call']} tokens; half pool: {half} tokens")
     rows = []
