@@ -39,9 +39,9 @@ program policy's (its own full-pool run then gives the working set).
 The table: per config and pool, the median over --rounds runs (3; the configs take turns, each
 first in every other round) of: total throughput (generated tokens over first arrival to last
 completion; each round's is shown too: the runs differ by up to ~10%, as the tool pauses and
-arrivals run on the wall clock and the calls fall into steps differently each time), p50/p95 program completion time, the prefix hit rate
-(the engine's cached over prompt tokens in the timed part), the engine's retractions, and the CPU
-the machine's other processes used meanwhile (average cores; a run they disturbed is no
+arrivals run on the wall clock and the calls fall into steps differently each time), p50/p95
+program completion time, the prefix hit rate (the engine's cached over prompt tokens in the timed
+part), the engine's retractions, and the CPU the machine's other processes used meanwhile (average cores; a run they disturbed is no
 measurement). Acceptance (default model,
 one run):
 - full pool: program's throughput within 5% of fcfs-lru's (0.95-1.05x), and with it its p50
@@ -304,16 +304,18 @@ def main() -> None:
     names = list(CONFIGS) if args.configs == "all" else [args.configs]
     work = workload(args)
     runs: dict[tuple[str, str], list[dict]] = {}
-    # the configs take turns, each going first in every other round (A B, B A, ...; the half
-    # pool's rounds go on from where the full pool's left off), so that drift slows each alike
-    turns = (names if rnd % 2 == 0 else names[::-1] for rnd in range(2 * args.rounds))
-    for _ in range(args.rounds):
-        for name in next(turns):
+    def turn(rnd: int) -> list[str]:
+        """The configs take turns, each first in every other round (A B, B A, ...; the half pool's
+        rounds go on from the full pool's), so that drift slows each alike."""
+        return names if rnd % 2 == 0 else names[::-1]
+
+    for rnd in range(args.rounds):
+        for name in turn(rnd):
             runs.setdefault((name, "full"), []).append(run(name, args.kv_pool_tokens, work, args))
     first = runs[names[0], "full"][0]
     half = max(first["working_set"] // 2, first["largest_call"])
-    for _ in range(args.rounds):
-        for name in next(turns):
+    for rnd in range(args.rounds, 2 * args.rounds):
+        for name in turn(rnd):
             runs.setdefault((name, "half"), []).append(run(name, half, work, args))
     results = {key: median_run(rs) for key, rs in runs.items()}
 

@@ -9,14 +9,10 @@ The step runs on the loop, so a program body on its thread is served between ste
 the state (`s["x"]`, `get_meta_info`) and its next calls each wait for the step under way. After a
 step that finished a program's call while other requests still run, the loop serves the turns
 that result wakes (the body reads its result, starts a tool or submits its next call) before it
-starts the next one, for as long as the bodies keep posting turns (SETTLE_SLICE_S apart, at most
-SETTLE_S); each of those turns used to wait a whole step. With 48 agent programs on 2 cores
-(`benchmarks/agents.py`), a call's result reached its body ~1 ms after its step instead of ~100
-ms, and the body's next turns (read the result, start its tool) took 15 ms on average instead of
-~190. A program that ends with its call posts nothing, and costs one slice.
-(Running the steps on a thread of their own kept the loop free instead, but on 2 cores the
-programs' turns then ran beside the matmuls: the same workload kept the engine busy 45.9 s
-instead of 35.6 s.)
+starts the next step, for as long as the bodies keep posting turns (SETTLE_SLICE_S apart, at most
+SETTLE_S in all); a program that ends with its call posts nothing, and costs one slice. The steps
+stay on the loop rather than on a thread of their own: on a CPU, the bodies' turns would then run
+beside the matmuls (README, Programs).
 """
 from __future__ import annotations
 
@@ -37,8 +33,6 @@ if TYPE_CHECKING:
     from stemma.engine.request import Request
 
 
-# After a step that finished a program's call while other requests run, the loop serves the turns
-# it wakes before the next step: until a slice passes with none posted, at most SETTLE_S in all.
 SETTLE_SLICE_S = 0.002
 SETTLE_S = 0.01
 
