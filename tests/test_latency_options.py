@@ -1,11 +1,24 @@
 """benchmarks/latency.py's --stemma-options: each value as its EngineConfig field takes it."""
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from latency import parse_options  # noqa: E402
+
+def _benchmark(name: str):
+    """Imports benchmarks/<name>.py with sys.path as it was afterwards: the benchmarks' folder
+    (which the scripts put first) must not shadow installed packages for the rest of the
+    session (its kernels.py shadowed the `kernels` package that transformers imports)."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+parse_options = _benchmark("latency").parse_options
 
 
 def test_a_text_field_keeps_its_text_and_other_fields_take_literals():
