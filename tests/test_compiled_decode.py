@@ -188,3 +188,16 @@ def test_where_it_applies(monkeypatch):
     assert resolve_mode("auto", cpu, "torch") == "auto"
     with pytest.raises(ValueError, match="compile_decode"):
         stemma.EngineConfig(compile_decode="always")
+
+
+def test_eager_forwards_while_a_compile_runs_elsewhere(folder, reference):
+    """While any thread compiles, torch.compiler.is_compiling() is true on every thread; an eager
+    forward of an engine whose cached scales and packed weights were never made (another engine,
+    or this one before its first compile) must still compute them. The context below is the one
+    Dynamo enters for each compile."""
+    engine = make(folder, compile_decode="off")
+    force_packed(engine)
+    with torch.compiler._compile_session_context():
+        assert torch.compiler.is_compiling()
+        assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == reference
+    engine.check_pool_whole()

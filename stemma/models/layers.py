@@ -51,7 +51,10 @@ class RMSNorm(nn.Module):
         """`offset + weight` in float32, made again after a load (CausalLM.load_weights calls
         forget_cached: it copies through `.data`, which leaves the version alone) or when the
         weight tensor is replaced or changed in place."""
-        if torch.compiler.is_compiling():  # a compiled step follows an eager one (see CompiledDecode)
+        # Dynamo's trace only: a compiled step follows an eager one (see CompiledDecode). Not
+        # is_compiling(): that is true on every thread while any compile runs, and eager forwards
+        # run beside the background compile
+        if torch.compiler.is_dynamo_compiling():
             return self._scale
         key = (self.weight, self.weight._version)
         if self._scale_of is None or self._scale_of[0] is not key[0] or self._scale_of[1] != key[1]:
@@ -163,7 +166,7 @@ class Attention(nn.Module):
 
     def qk_scale(self) -> torch.Tensor:
         """[Hq + Hkv, D]: each query head's q-norm scale, then each KV head's k-norm scale."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return self._qk
         q, k = self.q_norm.scale(), self.k_norm.scale()
         if self._qk_of is None or self._qk_of[0] is not q or self._qk_of[1] is not k:

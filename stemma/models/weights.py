@@ -80,7 +80,7 @@ class DenseWeight:
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        if torch.compiler.is_compiling():  # packed before any compile: the graph only reads it
+        if torch.compiler.is_dynamo_compiling():  # packed before any compile: the graph only reads it
             y = packed_linear(rows, self.packed, self._shape[0])
         else:  # the op itself, without the custom op's Python dispatch (~20 us a call)
             y = torch.ops.mkldnn._linear_pointwise(rows, self._pack(), None, "none", [], "")
