@@ -190,6 +190,32 @@ def test_where_it_applies(monkeypatch):
         stemma.EngineConfig(compile_decode="always")
 
 
+def test_each_decode_forward_counts_once_toward_the_start(folder, monkeypatch):
+    """auto starts after START_AFTER forwards in which every request decodes or verifies: each
+    such forward counts once, speculation's question of what a graph would save counts none,
+    and prefills count none."""
+    monkeypatch.setenv("STEMMA_COMPILE", "1")
+    engine = stemma.Engine(folder, dtype="float32", kv_pool_tokens=1024, max_running_requests=8,
+                           attention_backend="torch", speculative="ngram", compile_decode="auto")
+    compiled, runner = engine.runner.compiled, engine.runner
+    seen = {"prefill": 0, "decode": 0, "verify": 0}
+    forward = runner.forward
+
+    def counting(fb):
+        prefill = any(e > 1 and c == 1 for e, c in zip(fb.extend_lens_cpu, fb.logits_counts))
+        seen["prefill" if prefill else "decode" if fb.num_tokens == fb.batch_size else "verify"] += 1
+        return forward(fb)
+    runner.forward = counting
+    loop = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    for prompt in ([7, 8, 9] * 6, [7, 8, 9] * 5 + [10, 11]):   # drafts: from their own and the first's
+        engine.generate(prompt, loop)
+    engine.generate(PROMPTS, GREEDY)
+    assert seen["prefill"] == 3 and seen["decode"] + seen["verify"] < START_AFTER, seen
+    assert seen["verify"] > 0, seen
+    assert compiled.decodes_seen == seen["decode"] + seen["verify"] and compiled.state == "waiting"
+    engine.check_pool_whole()
+
+
 def test_eager_forwards_while_a_compile_runs_elsewhere(folder, reference):
     """While any thread compiles, torch.compiler.is_compiling() is true on every thread; an eager
     forward of an engine whose cached scales and packed weights were never made (another engine,

@@ -16,8 +16,8 @@ Modes (`EngineConfig.compile_decode`):
 - `on`: the one-request graph is compiled in the constructor, each other bucket's in the step
   that first meets it; all are used from then on.
 - `auto` (CPU only; `STEMMA_COMPILE=0` makes it `off`, as the test suite does): once the engine
-  has run START_AFTER decode forwards (all-decode batches, or one request's speculative
-  verifies: a one-off command that decodes a few dozen tokens never pays for it), each bucket a
+  has run START_AFTER decode forwards (forwards in which every request decodes or verifies its
+  drafts: a one-off command that decodes a few dozen tokens never pays for it), each bucket a
   decode forward falls in is compiled on a background thread, one at a time (15-30 s each on
   2 cores; Inductor's on-disk cache shortens later starts), while its forwards run eager. Then
   the next TRIALS forwards of that bucket alternate, and its graph is kept only if its median
@@ -62,6 +62,12 @@ TRIALS = 8          # timed forwards of each kind before auto keeps or drops the
 DUMMY_CONTEXT = 16  # the compile's dummy requests attend to this many (padding) slots + rows + themselves
 COMPILE_SWITCH_INTERVAL = 1e-4  # seconds: the GIL switch interval while a background compile runs
 ONE = -1            # the bucket of a single request; the others are 0, 1, ... (`CompiledDecode.bucket`)
+
+
+def _decodes_only(fb: ForwardBatch) -> bool:
+    """Whether every request of the forward decodes: one new token, or a verify of its drafts
+    (logits at each new token); a prefill chunk asks the logits of its last token only."""
+    return all(c == e for c, e in zip(fb.logits_counts, fb.extend_lens_cpu))
 
 
 def resolve_mode(mode: str, device: torch.device, attention_backend: str) -> str:
@@ -254,8 +260,8 @@ class CompiledDecode:
     def wants(self, fb: ForwardBatch) -> bool:
         """Whether this forward should run compiled (during a bucket's trial: every other one)."""
         bucket = self.bucket(fb)
-        if bucket is not None or fb.batch_size == 1:
-            self._seen()
+        if _decodes_only(fb):
+            self._seen()  # the one count of a forward: the runner asks once per forward
         if bucket is None or not self.started or self.failed:
             return False
         if bucket not in self.compiles:
@@ -301,6 +307,7 @@ class CompiledDecode:
                         trial.median_ms(True), trial.median_ms(False), "compiled" if verdict else "eager")
 
     def _seen(self) -> None:
+        """One decode or verify forward more toward START_AFTER."""
         if not self.started:
             self.decodes_seen += 1
             self.started = self.decodes_seen >= START_AFTER
@@ -312,7 +319,6 @@ class CompiledDecode:
         its graph is on trial the saving is taken as unbounded, so that plain steps give the
         trial its forwards."""
         bucket = self._bucket_of(rows)
-        self._seen()
         if self.failed or not self.started:
             return 0.0
         if bucket not in self.compiles:
