@@ -150,7 +150,7 @@ class StemmaSide:
 
     async def settle_compile(self, prompts: Prompts, args, limit_s: float = 300.0) -> None:
         """Single-stream requests until the engine has decided on its compiled one-row decode
-        forward (compile_decode=auto compiles on a background thread after 128 single-request
+        forward (compile_decode=auto compiles on a background thread after 128 decode or verify
         forwards), so that no round pays for the compile. Its trial (8 timed plain one-row
         decodes each way) may then run on in the rounds: a speculating stream has few of them."""
         t0 = time.perf_counter()
