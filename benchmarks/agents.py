@@ -11,9 +11,10 @@ the frontend: every program is an `@stemma.function` run with `run_async` on one
 an EngineBackend; each fresh engine is warmed up on a short unrelated program, and its cache
 flushed, before the timed part. The workload, deterministic from --seed:
 - --programs agent programs (48), arriving at the points of a Poisson process over --arrival-s
-  seconds (25: on a 2-core CPU the baseline serves about 50 tokens/s, so the ~4,000 tokens of
-  seed 0's 165 calls take well over a minute: the engine is overloaded from the first seconds and
-  queues form; on a faster machine, shorten it until they do);
+  seconds (25, chosen on a 2-core AMD CPU where the baseline served about 50 tokens/s, so that
+  the ~4,000 tokens of seed 0's 165 calls would take well over a minute and queues would form;
+  on the Intel AMX machine, at about 96 tokens/s, almost no call waits: 0.00-0.02 on average in
+  a diagnostic run. The README's Programs section gives what shorter windows did);
 - each program makes 1-12 model calls, P(k) proportional to k^-1.3 (heavy-tailed: most make a few,
   some make many);
 - 3 system prompts of about 300 tokens of English-like text; each program starts with one of
