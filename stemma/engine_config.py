@@ -76,8 +76,8 @@ class EngineConfig:
                                             "first, whatever its program's attained service, and "
                                             "may evict other programs' retained KV "
                                             "(schedule_policy program)")
-    random_seed: int | None = doc(None, "seeds the RNG of unseeded sampled requests; not given: "
-                                        "not seeded")
+    random_seed: int | None = doc(None, "seeds the engine's RNG for unseeded sampled requests; not given: "
+                                        "seeded from the OS")
     enable_jump_forward: bool = doc(True, "constrained decoding appends forced text unsampled")
     constraint_cache_size: int = doc(64, "outlines-core Indexes kept (one per regex or JSON schema)")
     constraint_budget_closure: bool = doc(True, "constrained output closes within its token budget")

@@ -98,6 +98,21 @@ def test_seeded_sample_same_alone_and_batched(folder):
     finish_clean(engine)
 
 
+def test_unseeded_sampling_leaves_the_global_rng_alone(folder):
+    """Unseeded rows draw from the engine's own generator: a torch.compile anywhere in the
+    process restores torch's global RNG state when it ends, which would replay the noise of
+    every step sampled during it. With random_seed, two engines draw alike."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    engine = make(folder)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    engine.generate(prompts()[:4], [sp] * 4)
+    assert torch.equal(torch.get_rng_state(), state)
+    seeded = [make(folder, random_seed=7).generate(prompts()[1], sp).token_ids for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    finish_clean(engine)
+
+
 def test_shared_prefix_is_served_from_cache(folder):
     engine = make(folder, kv_pool_tokens=8192, max_running_requests=64)
     g = torch.Generator().manual_seed(5)

@@ -112,9 +112,14 @@ class Engine:
         if self.tp_workers is not None:  # the workers stop with this engine
             weakref.finalize(self, self.tp_workers.close)
         self.eos_token_ids = eos_ids(self.loaded)
-        generator = None
+        # the engine's own generator, never torch's global one: a torch.compile (the background
+        # decode compile, or any in this process) saves the global RNG state when it starts and
+        # restores it when it ends, which would replay the noise of every step sampled meanwhile
+        generator = torch.Generator(device=self.runner.device)
         if cfg.random_seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(cfg.random_seed)
+            generator.manual_seed(cfg.random_seed)
+        else:
+            generator.seed()  # from the OS's entropy
         self.sampler = Sampler(generator)
         self.constrainer = Constrainer(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids,
                                        cfg.enable_jump_forward, cfg.constraint_cache_size)
