@@ -3,6 +3,7 @@ tokens as the eager forward (float32, tiny random llama and gemma3, packed matri
 stemma::packed_linear), the background compile beside running steps, the trial that keeps the
 faster kind, and the fallback to eager when the graph fails."""
 import math
+import sys
 import time
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 import stemma
 from stemma import SamplingParams
 from stemma.executor.forward_batch import ForwardBatch
-from stemma.executor.compiled_decode import ONE, START_AFTER, CompiledDecode, Trial, resolve_mode, row_cuts
+from stemma.executor.compiled_decode import (COMPILE_SWITCH_INTERVAL, ONE, START_AFTER, CompiledDecode, Trial,
+                                             _ShortSwitch, resolve_mode, row_cuts)
 from stemma.models.linear import KernelChoice
 from stemma.models.weights import packing_available
 from tests.tiny_models import build_tiny
@@ -227,3 +229,48 @@ def test_eager_forwards_while_a_compile_runs_elsewhere(folder, reference):
         assert torch.compiler.is_compiling()
         assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == reference
     engine.check_pool_whole()
+
+
+def test_every_bucket_compiles_on_the_background_thread(tmp_path, monkeypatch):
+    """Each bucket is a recompile of one function, and the compiles run on their own thread,
+    which does not see a recompile limit set in dynamo's config on another: the limit goes with
+    the function. Ten buckets (over dynamo's default limit of 8), traced by dynamo's eager
+    backend so that the test takes seconds."""
+    eager = torch.compile
+
+    def traced_only(fn, **kw):
+        kw.pop("options", None)
+        return eager(fn, backend="eager", **kw)
+    monkeypatch.setattr(torch, "compile", traced_only)
+    engine = make(str(build_tiny("llama", tmp_path)), compile_decode="off")
+    layer = next(m for name, m in engine.loaded.model.matrices().items() if name.startswith("model.layers."))
+    cuts = tuple(range(1, 10))
+    layer.set_kernels(KernelChoice(cuts, ("linear", "mm_t") * 4 + ("linear",)))
+    compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "auto")
+    compiled.started = True
+    for rows in range(1, 11):
+        assert compiled.saving(rows) == 0.0   # meets the bucket: queued for the thread
+    deadline = time.monotonic() + 300
+    while compiled.thread is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    states = {b: compiled.bucket_state(b) for b in [ONE, *range(1, len(cuts) + 1)]}
+    assert len(states) == 10 and set(states.values()) == {"trial"}, states
+
+
+def test_the_switch_interval_is_short_while_any_compile_thread_lives():
+    """Two engines' compile threads overlap: the interval stays short until the last one ends,
+    and then it is the one in force before the first began."""
+    before, switch = sys.getswitchinterval(), _ShortSwitch()
+    try:
+        sys.setswitchinterval(0.002)
+        switch.__enter__()           # engine A's thread
+        switch.__enter__()           # engine B's, while A's lives
+        switch.__exit__(None, None, None)
+        assert sys.getswitchinterval() == pytest.approx(COMPILE_SWITCH_INTERVAL)
+        switch.__exit__(None, None, None)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        with switch:
+            assert sys.getswitchinterval() == pytest.approx(COMPILE_SWITCH_INTERVAL)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)

@@ -64,6 +64,36 @@ COMPILE_SWITCH_INTERVAL = 1e-4  # seconds: the GIL switch interval while a backg
 ONE = -1            # the bucket of a single request; the others are 0, 1, ... (`CompiledDecode.bucket`)
 
 
+class _ShortSwitch:
+    """The GIL's switch interval, short while any compile thread of the process lives.
+
+    Tracing is Python that holds the GIL, and every op of an eager step released and must take
+    it back: at the default 5 ms interval a step stalled for seconds while a compile ran. The
+    interval in force before the first of overlapping compile threads is restored after the
+    last (engines compile on threads of their own)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.threads = 0
+        self.saved = 0.0
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.threads == 0:
+                self.saved = sys.getswitchinterval()
+                sys.setswitchinterval(COMPILE_SWITCH_INTERVAL)
+            self.threads += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.threads -= 1
+            if self.threads == 0:
+                sys.setswitchinterval(self.saved)
+
+
+_SHORT_SWITCH = _ShortSwitch()
+
+
 def _decodes_only(fb: ForwardBatch) -> bool:
     """Whether every request of the forward decodes: one new token, or a verify of its drafts
     (logits at each new token); a prefill chunk asks the logits of its last token only."""
@@ -131,10 +161,12 @@ class CompiledDecode:
         for matrix in model.matrices().values():  # stores are made on first use: here, not in a trace
             matrix.weights()
         self.cuts = row_cuts(model)
-        # one graph per bucket, the one-request graph included: each a recompile of the same code
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.cuts) + 2)
-        # guards on the modules' attributes cost ~1 ms a call; this graph serves one model only
+        # one graph per bucket, the one-request graph included: each a recompile of the same code.
+        # The limit goes with the function: dynamo's config is per thread (a context variable), and
+        # the compiles run on their own thread. Guards on the modules' attributes cost ~1 ms a
+        # call; this graph serves one model only.
         self.graph = torch.compile(_own_code(model.decoder), dynamic=True, fullgraph=True,
+                                   recompile_limit=len(self.cuts) + 2,
                                    options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.started = False       # (auto) START_AFTER decode forwards seen
         self.failed = False
@@ -148,7 +180,6 @@ class CompiledDecode:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()          # queue and thread
         self.busy = threading.Lock()          # held by a compile: the graphs' backend is in use
-        self.switch_interval = sys.getswitchinterval()  # the GIL's, restored when compiles end
         if mode == "on":
             self.started = True
             self._compile(ONE)
@@ -230,18 +261,14 @@ class CompiledDecode:
                 self.thread.start()
 
     def _drain(self) -> None:
-        # Tracing is Python that holds the GIL, and every op of an eager step released and must
-        # take it back: at the default 5 ms switch interval a step stalled for seconds while a
-        # compile ran. A short interval while the compile thread lives hands the GIL back soon.
-        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL)
-        while True:
-            with self.lock:  # under the lock: a bucket queued after this starts the next thread
-                if self.failed or not self.queue:
-                    sys.setswitchinterval(self.switch_interval)
-                    self.thread = None
-                    return
-                bucket = self.queue.pop(0)
-            self._compile(bucket)  # raises nothing: a failed compile marks its bucket
+        with _SHORT_SWITCH:
+            while True:
+                with self.lock:  # under the lock: a bucket queued after this starts the next thread
+                    if self.failed or not self.queue:
+                        self.thread = None
+                        return
+                    bucket = self.queue.pop(0)
+                self._compile(bucket)  # raises nothing: a failed compile marks its bucket
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
         self.model.refresh_cached()
