@@ -208,6 +208,12 @@ def test_each_decode_forward_counts_once_toward_the_start(folder, monkeypatch):
         seen["prefill" if prefill else "decode" if fb.num_tokens == fb.batch_size else "verify"] += 1
         return forward(fb)
     runner.forward = counting
+    choose = engine.spec.choose
+
+    def full_drafts(decodes, cands, *rest):  # asks the compiled step's saving, then drafts in full
+        choose(decodes, cands, *rest)
+        return [most for _, most in cands]
+    engine.spec.choose = full_drafts
     loop = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     for prompt in ([7, 8, 9] * 6, [7, 8, 9] * 5 + [10, 11]):   # drafts: from their own and the first's
         engine.generate(prompt, loop)
