@@ -249,6 +249,21 @@ def test_usage_reports_cached_tokens(client):
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
 
 
+def test_native_generate_keeps_salted_prompts_apart(server):
+    """/generate's salt keeps a prompt's cached KV to requests of the same salt, as over ZeroMQ."""
+    prompt = "a salted prompt that no other test sends, long enough to cache a few pages " * 2
+
+    def cached(salt):
+        out = http(server, "POST", "/generate", json={"text": prompt, "salt": salt,
+                                                       "sampling_params": {"max_new_tokens": 2}})
+        assert out.status_code == 200, out.text
+        return out.json()["meta"]["cached_tokens"]
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") > 0
+
+
 def assert_error(response, status, param=None):
     assert response.status_code == status, response.text
     error = response.json()["error"]

@@ -64,7 +64,7 @@ def program_call(data: dict[str, Any] | None) -> ProgramCall | None:
 
 
 def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, stream: bool,
-          program: str | None = None, call: dict[str, Any] | None = None) -> Run:
+          program: str | None = None, call: dict[str, Any] | None = None, salt: str | None = None) -> Run:
     checked = program_call(call)
     limit = state.engine.context_length
     for i, prompt in enumerate(prompts):
@@ -77,7 +77,7 @@ def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, strea
         rid = state.new_rid()
         run.rids[rid] = i
         run.peer.send(P.GenerateReq(rid=rid, input_ids=prompt.ids, params=params, stream=stream,
-                                    program=program, call=checked))
+                                    salt=salt, program=program, call=checked))
     return run
 
 
