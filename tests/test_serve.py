@@ -16,6 +16,7 @@ import zmq
 import stemma
 from stemma import protocol as P
 from stemma.sampling_params import SamplingParams
+from stemma.serve.prompt_jobs import INLINE_CHARS
 from tests.served import ENGINE, HttpServed, alive, children, cmdline
 from tests.tiny_models import build_tiny
 from tests.tiny_tokenizer import save_tiny_tokenizer, words
@@ -233,6 +234,42 @@ def test_bad_input_gets_an_error_and_the_server_stays_up(server, raw, name):
     assert words_ in reply.message
     ok = exchange(raw, P.encode(P.GenerateReq(rid="ok", input_ids=[5, 6], params=SamplingParams(**GREEDY))))
     assert isinstance(ok, P.Finished) and len(ok.token_ids) == GREEDY["max_new_tokens"]
+
+
+def long_text(engine):
+    """A text prompt over prompt_jobs.INLINE_CHARS that fits the tiny model's context."""
+    vocab = [w for w in words() if len(w) >= 4]
+    text = " ".join(vocab[(5 * i) % len(vocab)] for i in range(1700))
+    assert len(text) > INLINE_CHARS and len(engine.tokenizer(text).input_ids) < 1900
+    return text
+
+
+def replies(sock, count):
+    out = []
+    while len(out) < count:
+        assert sock.poll(30_000), f"no reply after {out}"
+        out.append(P.decode(sock.recv_multipart()[-1]))
+    return out
+
+
+def test_a_long_text_prompt_is_tokenized_off_the_loop(server, raw, engine):
+    """Text prompts over INLINE_CHARS are tokenized on the gateway's worker thread: the same
+    output as the engine's; an Abort right behind the request ends it; a second request under
+    the same id while the first is tokenized is refused."""
+    text = long_text(engine)
+    done = exchange(raw, P.encode(P.GenerateReq(rid="long", prompt=text, params=SamplingParams(**GREEDY))))
+    assert isinstance(done, P.Finished) and done.token_ids == engine.generate(text, GREEDY).token_ids
+    raw.send_multipart([KEY.encode(), P.encode(P.GenerateReq(rid="gone", prompt=text, params=SamplingParams(**LONG)))])
+    raw.send_multipart([KEY.encode(), P.encode(P.Abort(rid="gone"))])
+    (aborted,) = replies(raw, 1)
+    assert isinstance(aborted, P.Finished) and aborted.finish_reason == "abort", aborted
+    twice = P.encode(P.GenerateReq(rid="twice", prompt=text, params=SamplingParams(**GREEDY)))
+    raw.send_multipart([KEY.encode(), twice])
+    raw.send_multipart([KEY.encode(), twice])
+    got = replies(raw, 2)
+    assert sorted(type(m).__name__ for m in got) == ["ErrorMsg", "Finished"], got
+    refused = next(m for m in got if isinstance(m, P.ErrorMsg))
+    assert refused.rid == "twice" and "already in flight" in refused.message
 
 
 def test_wrong_api_key_and_bad_envelope(server, raw):

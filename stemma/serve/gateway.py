@@ -6,9 +6,10 @@
     HTTP clients ◀──▶ uvicorn thread ◀── Bridge ───────┘   (stemma.serve.http; when http_port is set)
 
 It checks the API key of every frame (a wrong key gets an `unauthorized` reply and nothing else),
-enforces the frame size limit, decodes and validates, tokenizes text prompts, gives each request
-an engine-side id, forwards it, and detokenizes the engine's token ids incrementally (UTF-8
-holdback, stop-string trimming) on their way back to the right client.
+enforces the frame size limit, decodes and validates, tokenizes text prompts (long ones on a
+worker thread, serve.prompt_jobs), gives each request an engine-side id, forwards it, and
+detokenizes the engine's token ids incrementally (UTF-8 holdback, stop-string trimming) on their
+way back to the right client.
 
 HTTP requests reach the same routing table through the in-process Bridge, as message objects
 under int peer ids (ZeroMQ peers are bytes). With HTTP on, the gateway also keeps the Prometheus
@@ -52,6 +53,7 @@ from stemma.serve.http.bridge import CLOSE, Bridge
 from stemma.log import check_level, configure as configure_logging
 from stemma.text.detokenizer import TextStream
 from stemma.text.tokenizer import encode_prompt, load_tokenizer, preload_tokenizers
+from stemma.serve.prompt_jobs import PromptJobs
 from stemma.serve.routes import Pending, Routes
 from stemma.serve.peer_watch import PeerWatch, configure
 from stemma.serve.proc_watch import ParentWatch
@@ -62,6 +64,7 @@ from stemma.serve.router import Router, Routing
 from stemma.serve.supervisor import Supervision
 
 POLL_MS = 100
+TOKENIZING_POLL_MS = 5  # the poll's timeout while a prompt is tokenized on the worker thread
 MAX_BURST = 256           # frames read from one socket before looking at the others
 CLIENT_HWM = 4096         # frames queued for one ZeroMQ client before it is cut off (not reading)
 CLOSE_LINGER_MS = 1000    # time given to final replies (errors) to reach clients on exit
@@ -128,7 +131,9 @@ class Gateway:
         self._by_pull = {r.pull: r for r in self.replicas}
         self.replica_router = Router(spec.dp, spec.routing)
         self.routes = Routes()
+        self.prompt_jobs = PromptJobs()  # long text prompts being tokenized off the loop
         self.tokenizer: Any = None
+        self.context_length = 0     # the engine's, from its EngineReady
         self.router: zmq.Socket | None = None
         self.peers: PeerWatch | None = None
         self.bridge: Bridge | None = None
@@ -212,6 +217,7 @@ class Gateway:
 
     def open(self, ready: P.EngineReady) -> None:
         self.tokenizer = load_tokenizer(ready.model)
+        self.context_length = ready.context_length
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         router.setsockopt(zmq.MAXMSGSIZE, 4 * self.spec.max_frame_bytes)  # hard cap: drop the peer
@@ -239,7 +245,7 @@ class Gateway:
                 self.fail_all(P.SHUTTING_DOWN, "the server is shutting down")
                 self._flush_bridge()
                 return 0
-            events = dict(poller.poll(POLL_MS))
+            events = dict(poller.poll(TOKENIZING_POLL_MS if self.prompt_jobs else POLL_MS))
             self.reap()
             for replica in self.replicas:
                 if replica.pull in events:
@@ -250,6 +256,7 @@ class Gateway:
                 return EXIT_ENGINE_DEAD
             if self.router in events:
                 self._drain(self.router, self.on_client_guarded)
+            self.send_tokenized()
             if self.bridge is not None:
                 if self.bridge.fd in events:
                     for op in self.bridge.take():
@@ -290,6 +297,7 @@ class Gateway:
             self.bridge.flush()
 
     def close(self) -> None:
+        self.prompt_jobs.close()
         for replica in self.replicas:
             replica.close()
         if self.peers is not None:
@@ -398,6 +406,8 @@ class Gateway:
     def fail_all(self, code: str, message: str) -> None:
         if self.http is not None:
             self.http.unavailable(code, message)
+        for job in self.prompt_jobs.take_all():
+            self.error(job.peer, job.msg.rid, code, message)
         for pending in self.routes.pop_all():
             self.error(pending.peer, pending.rid, code, message)
 
@@ -521,6 +531,8 @@ class Gateway:
         elif isinstance(msg, P.GenerateReq):
             self.on_generate(peer, msg)
         elif isinstance(msg, P.Abort):
+            if self.prompt_jobs.abort(peer, msg.rid):
+                return  # sent on once the request is
             gid = self.routes.find(peer, msg.rid)
             replica = self.routes.get(gid).replica if gid is not None else -1
             if replica >= 0:  # a spread request (stats, flush) has nothing to abort
@@ -541,11 +553,43 @@ class Gateway:
                        expect={r.index for r in self.replicas if r.serving})
 
     def on_generate(self, peer: bytes | int, msg: P.GenerateReq) -> None:
+        if PromptJobs.wanted(msg, self.tokenizer):
+            taken = self.routes.find(peer, msg.rid) is not None
+            if taken or not self.prompt_jobs.submit(peer, msg, self.tokenizer):
+                self.error(peer, msg.rid, P.BAD_REQUEST,
+                           f"request id {msg.rid!r} is already in flight on this connection")
+            return
         try:
             ids = msg.input_ids if msg.input_ids is not None else encode_prompt(self.tokenizer, msg.prompt)
         except ValueError as exc:
             self.error(peer, msg.rid, P.BAD_REQUEST, str(exc))
             return
+        self.send_generate(peer, msg, ids)
+
+    def send_tokenized(self) -> None:
+        """Sends on the requests whose prompts the worker thread has tokenized (an Abort that came
+        meanwhile follows its request)."""
+        for job in self.prompt_jobs.finished():
+            peer, rid = job.peer, job.msg.rid
+            try:
+                ids = job.ids.result()
+                if not self.serving:
+                    self.error(peer, rid, P.ENGINE_DEAD, self.unavailable)
+                    continue
+                self.send_generate(peer, job.msg, ids)
+                if job.aborted:
+                    self.on_message(peer, P.Abort(rid=rid))
+            except ValueError as exc:
+                self.error(peer, rid, P.BAD_REQUEST, str(exc))
+            except Exception as exc:  # as on_client_guarded: a bug fails this request only
+                logger.exception("internal error while sending on a tokenized prompt")
+                self.error(peer, rid, P.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def send_generate(self, peer: bytes | int, msg: P.GenerateReq, ids: list[int]) -> None:
+        if len(ids) >= self.context_length > 0:  # the engine checks the finer limits
+            self.error(peer, msg.rid, P.BAD_REQUEST, f"prompt of {len(ids)} tokens does not fit the "
+                       f"context of {self.context_length} tokens")
+            return  # not shipped: decoding megabytes of ids would stall the engine's steps
         logger.debug("request %r received: %d prompt tokens, n=%d, stream=%s",
                      msg.rid, len(ids), msg.params.n, msg.stream)
         replica = self._route(ids, msg)
@@ -591,6 +635,7 @@ class Gateway:
     def drop_peer(self, peer: bytes | int) -> list[tuple[str, Pending]]:
         """A client went away (or was cut off): aborts its generate requests, forgets the rest;
         returns what it had in flight."""
+        self.prompt_jobs.drop_peer(peer)
         dropped = self.routes.pop_peer(peer)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("client %s gone: dropping %d requests %s",

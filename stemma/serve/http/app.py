@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from stemma.serve.http import chat, completions, errors, native
+from stemma.serve.http import generation as G
 from stemma.serve.http.dashboard import dashboard_router
 from stemma.serve.http.errors import ApiError, error_body
 from stemma.serve.http.openai_models import (ChatCompletionRequest, CompletionRequest,
@@ -100,7 +101,7 @@ def make_app(state: HttpState) -> FastAPI:
 
     @app.post("/tokenize", dependencies=keyed)
     async def tokenize(body: TokenizeRequest):
-        return native.tokenize(state, body)
+        return await G.off_loop(native.tokenize, state, body)
 
     @app.post("/detokenize", dependencies=keyed)
     async def detokenize(body: DetokenizeRequest):

@@ -65,10 +65,7 @@ def render(state: HttpState, messages: list[dict[str, str]], add_generation_prom
     return list(ids), template
 
 
-def _start(state: HttpState, req: ChatCompletionRequest) -> G.Run:
-    check_model(req.model, state.model_names())
-    ids, template = render(state, as_dicts(req.messages), req.add_generation_prompt,
-                           req.continue_final_message)
+def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], template: ChatTemplate) -> G.Run:
     if not ids:
         raise bad_field("messages", "the messages render to an empty prompt (no tokens)")
     prompts = [G.Prompt(ids)]
@@ -103,7 +100,10 @@ def _base(state: HttpState, run: G.Run, kind: str) -> dict:
 
 
 async def create(state: HttpState, req: ChatCompletionRequest, request: Request):
-    run = _start(state, req)
+    check_model(req.model, state.model_names())
+    ids, template = await G.off_loop(render, state, as_dicts(req.messages), req.add_generation_prompt,
+                                     req.continue_final_message)
+    run = _start(state, req, ids, template)
     want_logprobs = req.logprobs or bool(req.top_logprobs)
 
     def body(outs: list[P.Finished]) -> dict:

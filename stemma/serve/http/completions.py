@@ -91,13 +91,15 @@ def _base(state: HttpState, run: G.Run) -> dict:
             "model": state.model_id}
 
 
-def _start(state: HttpState, req: CompletionRequest) -> G.Run:
+def _check(state: HttpState, req: CompletionRequest) -> None:
     check_model(req.model, state.model_names())
     if req.suffix:
         raise bad_field("suffix", "suffix is not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_field("best_of", "best_of must equal n (stemma returns every sequence it samples)")
-    prompts = _prompts(state, req.prompt)
+
+
+def _start(state: HttpState, req: CompletionRequest, prompts: list[G.Prompt]) -> G.Run:
     extra = {}
     if req.logprobs is not None:
         extra.update(logprobs=True, top_logprobs=req.logprobs)
@@ -108,7 +110,8 @@ def _start(state: HttpState, req: CompletionRequest) -> G.Run:
 
 
 async def create(state: HttpState, req: CompletionRequest, request: Request):
-    run = _start(state, req)
+    _check(state, req)
+    run = _start(state, req, await G.off_loop(_prompts, state, req.prompt))
 
     def body(outs: list[P.Finished]) -> dict:
         return {**_base(state, run), "choices": [_choice(state, req, run, o) for o in outs],

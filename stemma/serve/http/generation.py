@@ -177,6 +177,13 @@ def max_tokens_for(state: HttpState, prompts: list[Prompt], requested: int | Non
     return max(state.engine.context_length - longest - 1, 0)
 
 
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread, for tokenizing and chat rendering: a long prompt tokenized
+    on the event loop stalled every other stream of the server for as long (the tokenizer
+    releases the GIL while it encodes)."""
+    return await asyncio.to_thread(fn, *args)
+
+
 def tokenize(state: HttpState, text: str, field_name: str) -> list[int]:
     """As the gateway tokenizes a ZeroMQ prompt (encode_prompt); a bad one is a 400 naming the field."""
     try:

@@ -34,7 +34,7 @@ async def generate(state: HttpState, req: GenerateRequest, request: Request):
         raise bad_field("text", "give exactly one of text and input_ids")
     params = native_params(req.sampling_params)
     ids = (G.check_ids(state, req.input_ids, "input_ids") if req.input_ids is not None
-           else G.tokenize(state, req.text, "text"))
+           else await G.off_loop(G.tokenize, state, req.text, "text"))
     run = G.start(state, [G.Prompt(ids, req.text)], params, req.stream, req.program, req.program_call,
                   salt=req.salt)
     rid = req.rid or next(iter(run.rids))
