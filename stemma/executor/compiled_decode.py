@@ -287,7 +287,7 @@ class CompiledDecode:
     def wants(self, fb: ForwardBatch) -> bool:
         """Whether this forward should run compiled (during a bucket's trial: every other one)."""
         bucket = self.bucket(fb)
-        if _decodes_only(fb):
+        if not self.started and _decodes_only(fb):
             self._seen()  # the one count of a forward: the runner asks once per forward
         if bucket is None or not self.started or self.failed:
             return False
