@@ -54,7 +54,7 @@ from stemma.log import check_level, configure as configure_logging
 from stemma.text.detokenizer import TextStream
 from stemma.text.tokenizer import encode_prompt, load_tokenizer, preload_tokenizers
 from stemma.serve.prompt_jobs import PromptJobs
-from stemma.serve.routes import Pending, Routes
+from stemma.serve.routes import Pending, Routes, in_flight
 from stemma.serve.peer_watch import PeerWatch, configure
 from stemma.serve.proc_watch import ParentWatch
 from stemma.serve.fanout import merge
@@ -556,8 +556,7 @@ class Gateway:
         if PromptJobs.wanted(msg, self.tokenizer):
             taken = self.routes.find(peer, msg.rid) is not None
             if taken or not self.prompt_jobs.submit(peer, msg, self.tokenizer):
-                self.error(peer, msg.rid, P.BAD_REQUEST,
-                           f"request id {msg.rid!r} is already in flight on this connection")
+                self.error(peer, msg.rid, P.BAD_REQUEST, in_flight(msg.rid))
             return
         try:
             ids = msg.input_ids if msg.input_ids is not None else encode_prompt(self.tokenizer, msg.prompt)

@@ -30,6 +30,11 @@ class Pending:
     parts: dict[int, Any] = field(default_factory=dict)  # a spread request: answers so far
 
 
+def in_flight(rid: str) -> str:
+    """The error for a request id the client already has in flight."""
+    return f"request id {rid!r} is already in flight on this connection"
+
+
 class Routes:
     def __init__(self):
         self._ids = itertools.count()
@@ -47,7 +52,7 @@ class Routes:
         already has a request in flight under the same id."""
         key = (pending.peer, pending.rid)
         if key in self._by_client:
-            raise ValueError(f"request id {pending.rid!r} is already in flight on this connection")
+            raise ValueError(in_flight(pending.rid))
         gid = f"g{next(self._ids)}"
         self._by_gid[gid] = pending
         self._by_client[key] = gid
