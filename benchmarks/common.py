@@ -37,15 +37,24 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
 class CpuAudit:
     """CPU time the machine spent outside this process tree while a block ran (Linux /proc only;
     elsewhere every figure is nan). A benchmark on a shared machine can flag rounds that others
-    disturbed: `with CpuAudit() as a: ...; a.foreign_cores` (average cores used by others)."""
+    disturbed: `with CpuAudit() as a: ...; a.foreign_cores` (average cores used by others).
+
+    `bystanders`: pids of this tree whose own trees count as others' too: the server that is not
+    being measured (a background compile in it takes the cores from the one that is)."""
+
+    def __init__(self, bystanders: tuple[int, ...] = ()):
+        self.bystanders = tuple(bystanders)
 
     def __enter__(self) -> "CpuAudit":
-        self._t0, self._busy0, self._ours0 = time.perf_counter(), _machine_busy(), _tree_cpu()
+        self._t0, self._busy0, self._ours0 = time.perf_counter(), _machine_busy(), self._ours()
         return self
+
+    def _ours(self) -> float:
+        return _tree_cpu() - sum(_tree_cpu(pid) for pid in self.bystanders)
 
     def __exit__(self, *exc) -> None:
         self.wall = time.perf_counter() - self._t0
-        busy, ours = _machine_busy() - self._busy0, _tree_cpu() - self._ours0
+        busy, ours = _machine_busy() - self._busy0, self._ours() - self._ours0
         self.busy_cores = busy / self.wall
         self.ours_cores = ours / self.wall
         self.foreign_cores = max(0.0, busy - ours) / self.wall
@@ -69,9 +78,9 @@ def _machine_busy() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / _clock_ticks()
 
 
-def _tree_cpu() -> float:
-    """Seconds of CPU time used by this process and its descendants (live ones, and the children
-    they have waited for); nan without /proc."""
+def _tree_cpu(root: int | None = None) -> float:
+    """Seconds of CPU time used by process `root` (None: this one) and its descendants (live
+    ones, and the children they have waited for); nan without /proc."""
     import os
     try:
         parents, cpu = {}, {}
@@ -87,7 +96,10 @@ def _tree_cpu() -> float:
             cpu[int(name)] = sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
     except OSError:
         return float("nan")
-    ours, frontier = {os.getpid()}, [os.getpid()]
+    root = os.getpid() if root is None else root
+    if root not in cpu:  # exited: no time of its own any more
+        return 0.0
+    ours, frontier = {root}, [root]
     while frontier:
         pid = frontier.pop()
         for child, parent in parents.items():

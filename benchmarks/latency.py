@@ -34,8 +34,10 @@ and k - 1 zero gaps. llama.cpp's own timings (the final event's `timings`) and s
 
 The machine must be otherwise idle: with 2 threads on 2 cores, llama.cpp's spinning thread pool
 slows down several-fold when any other process wants a core. Each round reports the CPU that
-processes outside this benchmark's own (client, stemma's server, llama-server) used meanwhile;
-each measurement first waits (--idle-wait) for them to go quiet, a round during which they used
+processes other than the benchmark's client and the server being measured used meanwhile (the
+other server counts: stemma's decode compile runs in the background, and it took the cores from
+llama.cpp's rounds until these counted it); each measurement first waits (--idle-wait) for all
+of them, both servers included, to go quiet, a round during which they used
 more than 0.2 cores is measured again (--disturbed-retries), and the tables leave such rounds out
 when a quiet one exists.
 """
@@ -145,6 +147,10 @@ class StemmaSide:
             traces = [await self.one(clients[0], j) for j in jobs]
         return time.perf_counter() - t0, list(traces)
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return (self.runtime.pid,)
+
     def compile_state(self) -> str:
         return str(self._clients(1)[0].info()["stats"].get("compiled_decode", "off"))
 
@@ -159,25 +165,35 @@ class StemmaSide:
         print(f"stemma's compiled decode: {self.compile_state()} (after {time.perf_counter() - t0:.0f} s of "
               f"single-stream warm-up)", file=sys.stderr, flush=True)
 
-    def batched_state(self) -> str:
-        return str(self._clients(1)[0].info()["stats"].get("compiled_decode_batched", "off"))
+    def compile_work(self) -> tuple[str, str, str]:
+        """(phase, the one-request graph's state, the batch buckets' states) of the engine's compiles."""
+        stats = self._clients(1)[0].info()["stats"]
+        return (str(stats.get("compiled_decode_phase", "off")), str(stats.get("compiled_decode", "off")),
+                str(stats.get("compiled_decode_batched", "off")))
 
-    async def settle_batched(self, jobs: list[Job], concurrent: bool, limit_s: float = 300.0) -> None:
-        """Unmeasured rounds of the scenario's own jobs, each followed by a wait while the engine
-        compiles the decode graphs of the batch sizes it met (compile_decode=auto, on a background
-        thread), until a round meets no new one (at most 4): no measured round pays for a
-        compile. The trials of the last graphs may run on in the measured rounds."""
+    async def settle_batched(self, jobs: list[Job], concurrent: bool, limit_s: float = 600.0) -> None:
+        """Unmeasured rounds of the scenario's own jobs until one meets no bucket of batch sizes
+        whose decode graph was not already compiled (compile_decode=auto: it starts after 128
+        decode forwards, then compiles each bucket met, on a background thread), each followed by
+        a wait for the compiles: no measured round pays for a compile. The trials of the last
+        graphs may run on in the measured rounds."""
+        def met(work: tuple[str, str, str]) -> tuple[bool, list[str]]:  # the buckets queued so far
+            return work[1] != "waiting", [b.split(":")[0] for b in work[2].split()]
+
         t0 = time.perf_counter()
-        for _ in range(4):  # a round may meet batch sizes the last one did not
+        rounds = 0
+        while time.perf_counter() - t0 < limit_s:
+            before = self.compile_work()
             await self.run(jobs, concurrent)
-            compiled = False
-            while "compiling" in self.batched_state() and time.perf_counter() - t0 < limit_s:
-                compiled = True
+            rounds += 1
+            while self.compile_work()[0] == "compiling" and time.perf_counter() - t0 < limit_s:
                 await asyncio.sleep(0.5)
-            if not compiled:
-                break
-        print(f"stemma's compiled decode for batches: {self.batched_state() or '-'} (settled in "
-              f"{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            after = self.compile_work()
+            if before[0] in ("off", "failed") or (before[0] == "idle" and met(before) == met(after)):
+                break  # no compile to come, or none queued by a round that began after the start
+        phase, one, batched = self.compile_work()
+        print(f"stemma's compiled decode: {phase}; one request {one}; batches {batched or '-'} "
+              f"(settled in {rounds} rounds, {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for c in self.clients:
@@ -259,6 +275,10 @@ class LlamaSide:
         else:
             traces = [await self.one(j) for j in jobs]
         return time.perf_counter() - t0, list(traces)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return (self.server.proc.pid,) if self.server is not None else ()
 
     def stop(self) -> None:
         if self.server is not None:
@@ -424,12 +444,13 @@ def stemma_threads() -> str:
     return f"torch intra-op threads {torch.get_num_threads()} (torch's default here{'; ' + str(env) if env else ''})"
 
 
-def wait_idle(max_wait: float) -> None:
-    """Waits (up to max_wait seconds) until other processes use at most DISTURBED_CORES for 1 s."""
+def wait_idle(max_wait: float, servers: tuple[int, ...]) -> None:
+    """Waits (up to max_wait seconds) until other processes, both servers included (stemma's
+    background compile), use at most DISTURBED_CORES for 1 s."""
     deadline = time.monotonic() + max_wait
     waited = False
     while True:
-        with CpuAudit() as audit:
+        with CpuAudit(bystanders=servers) as audit:
             time.sleep(1.0)
         if not audit.foreign_cores > DISTURBED_CORES or time.monotonic() > deadline:
             break
@@ -467,8 +488,9 @@ async def run_all(args, stemma: StemmaSide, llama: LlamaSide, tokenizer) -> dict
                     if attempt:  # the same prompts again would hit the prefix caches: fresh ones
                         jobs = fresh_like(jobs, None if scenario == "batch64" else prompts,
                                           seed=args.seed * 1000 + 100 * si + 50 + 10 * sj + attempt)
-                    wait_idle(args.idle_wait)
-                    with CpuAudit() as audit:
+                    wait_idle(args.idle_wait, stemma.pids + llama.pids)
+                    other = llama if side is stemma else stemma
+                    with CpuAudit(bystanders=other.pids) as audit:
                         wall, traces = await side.run(jobs, concurrent)
                     m = measure(scenario, wall, traces)
                     m["foreign_cores"] = audit.foreign_cores

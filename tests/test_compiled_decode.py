@@ -101,7 +101,7 @@ def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     compiled = engine.runner.compiled
     assert compiled is not None
     outputs, deadline = [], time.monotonic() + 600
-    assert compiled.state == "waiting"
+    assert compiled.state == "waiting" and engine.stats()["compiled_decode_phase"] == "counting"
     while compiled.state in ("waiting", "compiling", "trial") and time.monotonic() < deadline:
         outputs.append(engine.generate(PROMPTS[len(outputs) % len(PROMPTS)], GREEDY).token_ids)
     assert compiled.state in ("kept", "dropped"), compiled.stats()
@@ -117,6 +117,7 @@ def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     assert compiled.batched_states() == {"2+": compiled.bucket_state(1)}
     assert compiled.bucket_state(1) in ("kept", "dropped") and len(compiled.trials[1].times[True]) == 8
     assert engine.stats()["compiled_decode_batched"] == f"2+:{compiled.bucket_state(1)}"
+    assert engine.stats()["compiled_decode_phase"] == "idle"  # the trials ran after the compiles
     engine.check_pool_whole()
 
 

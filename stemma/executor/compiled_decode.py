@@ -204,6 +204,17 @@ class CompiledDecode:
         return self.thread is not None
 
     @property
+    def phase(self) -> str:
+        """Where the engine's compile work stands: `counting` (auto, before START_AFTER decode
+        forwards), `compiling` (a compile queued or running on the background thread), `idle`
+        (none now; a bucket not met yet may still start one) or `failed`."""
+        if self.failed:
+            return "failed"
+        if not self.started:
+            return "counting"
+        return "compiling" if self.compiling else "idle"
+
+    @property
     def state(self) -> str:
         """The one-request graph's state (`batched_states()` gives the others')."""
         return self.bucket_state(ONE)

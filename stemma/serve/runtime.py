@@ -48,6 +48,11 @@ class Runtime:
         self.client: Client = connect(self.address)
 
     @property
+    def pid(self) -> int | None:
+        """The gateway process's pid (the engine processes are its children); None once closed."""
+        return self._procs.gateway.pid if self._procs is not None else None
+
+    @property
     def running(self) -> bool:
         return self._procs is not None and self._procs.exited() is None
 
