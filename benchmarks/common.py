@@ -50,7 +50,7 @@ class CpuAudit:
         return self
 
     def _ours(self) -> float:
-        return _tree_cpu() - sum(_tree_cpu(pid) for pid in self.bystanders)
+        return _tree_cpu(skip=self.bystanders)
 
     def __exit__(self, *exc) -> None:
         self.wall = time.perf_counter() - self._t0
@@ -78,9 +78,10 @@ def _machine_busy() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / _clock_ticks()
 
 
-def _tree_cpu(root: int | None = None) -> float:
-    """Seconds of CPU time used by process `root` (None: this one) and its descendants (live
-    ones, and the children they have waited for); nan without /proc."""
+def _tree_cpu(skip: tuple[int, ...] = ()) -> float:
+    """Seconds of CPU time used by this process and its descendants (live ones, and the children
+    they have waited for), leaving out the descendants in `skip` and theirs; nan without /proc.
+    One pass over /proc: every figure is from the same moment."""
     import os
     try:
         parents, cpu = {}, {}
@@ -96,14 +97,11 @@ def _tree_cpu(root: int | None = None) -> float:
             cpu[int(name)] = sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
     except OSError:
         return float("nan")
-    root = os.getpid() if root is None else root
-    if root not in cpu:  # exited: no time of its own any more
-        return 0.0
-    ours, frontier = {root}, [root]
+    ours, frontier = {os.getpid()}, [os.getpid()]
     while frontier:
         pid = frontier.pop()
         for child, parent in parents.items():
-            if parent == pid and child not in ours:
+            if parent == pid and child not in ours and child not in skip:
                 ours.add(child)
                 frontier.append(child)
     return sum(cpu.get(p, 0) for p in ours) / _clock_ticks()
