@@ -69,6 +69,10 @@ def test_serve_at_debug_logs_each_request(tmp_path):
             deadline = time.monotonic() + 120
             while not client.health(timeout=0.5):
                 assert proc.poll() is None and time.monotonic() < deadline
+            # the launcher's own health probe may answer after ours: its "serving" line comes then
+            while "info: serving" not in (tmp_path / "stderr").read_text():
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
             out = client.generate([5, 6, 7], {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
                                   timeout=60)
             assert len(out.token_ids) == 3
