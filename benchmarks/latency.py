@@ -192,7 +192,8 @@ class StemmaSide:
             if before[0] in ("off", "failed") or (before[0] == "idle" and met(before) == met(after)):
                 break  # no compile to come, or none queued by a round that began after the start
         phase, one, batched = self.compile_work()
-        print(f"stemma's compiled decode: {phase}; one request {one}; batches {batched or '-'} "
+        rows = self._clients(1)[0].info()["stats"].get("compiled_rows", "off")
+        print(f"stemma's compiled decode: {phase}; one request {one}; batches {batched or '-'}; row ops {rows} "
               f"(settled in {rounds} rounds, {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
     def close(self) -> None:

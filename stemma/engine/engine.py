@@ -338,6 +338,7 @@ class Engine:
             "retractions": c.retractions,
             "compiled_decode": self.runner.compiled.state if self.runner.compiled is not None else "off",
             "compiled_decode_phase": self.runner.compiled.phase if self.runner.compiled is not None else "off",
+            "compiled_rows": self.runner.compiled.rows.describe() if self.runner.compiled is not None else "off",
             "compiled_decode_batched": (" ".join(f"{k}:{v}" for k, v in self.runner.compiled.batched_states().items())
                                         if self.runner.compiled is not None else "off"),
             **self.scheduler.stats(),

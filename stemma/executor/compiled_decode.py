@@ -23,6 +23,9 @@ Modes (`EngineConfig.compile_decode`):
   the next TRIALS forwards of that bucket alternate, and its graph is kept only if its median
   forward is faster than eager: measured on the machine, bucket by bucket.
 - `off`: eager only.
+The same thread first compiles the row ops of the eager forwards (`executor.compiled_rows`: the
+norms, rope and activation as one loop each, which a prefill of many rows gains most from; `on`:
+in the constructor); a measured row count decides which forwards use them.
 A compile that raises leaves its bucket eager; a compiled call that raises, every bucket (logged).
 
 Invariants: the graphs run on their own attention backend (per-forward metadata lives on a
@@ -49,10 +52,12 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from stemma.attention.select import make_attention_backend
+from stemma.executor.compiled_rows import CompiledRows
 from stemma.cache.kv_pool import KVPool
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.models.causal_lm import CausalLM
 from stemma.models.layers import ForwardContext
+from stemma.models.row_ops import RowOps
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ TRIALS = 8          # timed forwards of each kind before auto keeps or drops the
 DUMMY_CONTEXT = 16  # the compile's dummy requests attend to this many (padding) slots + rows + themselves
 COMPILE_SWITCH_INTERVAL = 1e-4  # seconds: the GIL switch interval while a background compile runs
 ONE = -1            # the bucket of a single request; the others are 0, 1, ... (`CompiledDecode.bucket`)
+ROWS = -2           # the queue's mark for the row ops' compile (executor.compiled_rows), no bucket
 
 
 class _ShortSwitch:
@@ -180,9 +186,11 @@ class CompiledDecode:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()          # queue and thread
         self.busy = threading.Lock()          # held by a compile: the graphs' backend is in use
+        self.rows = CompiledRows(self._run_rows, self.cuts)  # the eager forwards' row ops, compiled first
         if mode == "on":
             self.started = True
             self._compile(ONE)
+            self.rows.compile()
 
     # ---- states ----
     def bucket_state(self, bucket: int) -> str:
@@ -266,8 +274,13 @@ class CompiledDecode:
             return
         with self.lock:
             self.compiles[bucket] = "queued"
-            self.queue.append(bucket)
-            if self.thread is None:
+            self._queue(bucket)
+
+    def _queue(self, bucket: int) -> None:
+        """Appends to the background thread's queue (ROWS: the row ops), starting the thread if
+        none runs; under `lock`."""
+        self.queue.append(bucket)
+        if self.thread is None:
                 self.thread = threading.Thread(target=self._drain, name="stemma-compile", daemon=True)
                 self.thread.start()
 
@@ -279,7 +292,15 @@ class CompiledDecode:
                         self.thread = None
                         return
                     bucket = self.queue.pop(0)
-                self._compile(bucket)  # raises nothing: a failed compile marks its bucket
+                if bucket == ROWS:
+                    self.rows.compile()  # raises nothing either
+                else:
+                    self._compile(bucket)  # raises nothing: a failed compile marks its bucket
+
+    def _run_rows(self, fb: ForwardBatch, ops: RowOps) -> torch.Tensor:
+        """An eager forward with `ops` on the graphs' backend (the row ops' compile and trial)."""
+        with self.busy:
+            return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
         self.model.refresh_cached()
@@ -349,6 +370,10 @@ class CompiledDecode:
         if not self.started:
             self.decodes_seen += 1
             self.started = self.decodes_seen >= START_AFTER
+            if self.started:  # the row ops first: every prefill gains from them
+                with self.lock:
+                    self.rows.state = "queued"
+                    self._queue(ROWS)
 
     def saving(self, rows: int) -> float:
         """Seconds a plain step of `rows` decodes saves by its bucket's graph (its trial's median
@@ -370,8 +395,12 @@ class CompiledDecode:
             return 0.0
         return max(0.0, (eager - compiled) / 1e3)
 
+    def row_ops(self, rows: int) -> RowOps:
+        """The row ops of an eager forward of `rows` tokens (executor.compiled_rows)."""
+        return self.rows.ops_for(rows, self.compiling)
+
     def stats(self) -> dict:
         one = self.trials.get(ONE, Trial())
-        return {"state": self.state, "compile_s": self.compile_s,
+        return {"state": self.state, "compile_s": self.compile_s, "rows": self.rows.describe(),
                 "compiled_ms": one.median_ms(True), "eager_ms": one.median_ms(False),
                 "batched": self.batched_states()}

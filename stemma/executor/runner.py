@@ -11,6 +11,7 @@ from stemma.executor.compiled_decode import CompiledDecode, resolve_mode
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool, ReqToSlot
 from stemma.models.layers import ForwardContext
+from stemma.models.row_ops import EAGER
 from stemma.executor.tensor_parallel import Workers
 from stemma.loader.model import LoadedModel
 
@@ -69,7 +70,8 @@ class ModelRunner:
                 self.ran_compiled = True
                 return logits
         t0 = time.perf_counter()
-        logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool))
+        ops = compiled.row_ops(fb.num_tokens) if compiled is not None else EAGER
+        logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
         if compiled is not None:
             compiled.timed(fb, False, time.perf_counter() - t0)
         return logits

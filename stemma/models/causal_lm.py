@@ -79,7 +79,7 @@ class CausalLM(nn.Module):
         (see `models.linear`)."""
         ctx.backend.begin(ctx.batch)
         h = (ctx.decoder or self.decoder)(self.embed(ctx.batch.input_ids), ctx)
-        h = self.model.norm(h[ctx.batch.logits_indices])
+        h = self.model.norm(h[ctx.batch.logits_indices])  # eager: a few rows, often one
         logits = self.output_matrix().matmul(h)
         if self.tp is not None:  # each rank's vocabulary slice, joined (the padding cut off)
             logits = self.tp.all_gather_last(logits)[:, :self.spec.vocab_size]

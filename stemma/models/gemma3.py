@@ -22,8 +22,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(d, eps, offset=1.0)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        ops = ctx.ops
+        x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x, ops), ctx), ops)
+        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x, ops), ops), ops)
 
 
 @MODEL_FAMILIES.register("gemma3")

@@ -14,6 +14,7 @@ from stemma.attention.base import AttentionBackend, AttentionLayer
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool
 from stemma.models.linear import Linear
+from stemma.models.row_ops import EAGER, RowOps
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -31,6 +32,7 @@ class ForwardContext:
     pool: KVPool
     rope_cache: dict = field(default_factory=dict)
     decoder: Callable[[torch.Tensor, "ForwardContext"], torch.Tensor] | None = None  # None: eager layers
+    ops: RowOps = EAGER   # the norms, rope and activation of the eager layers (models.row_ops)
 
 
 class RMSNorm(nn.Module):
@@ -62,18 +64,21 @@ class RMSNorm(nn.Module):
             self._scale_of = key
         return self._scale
 
-    def normed(self, x: torch.Tensor) -> torch.Tensor:
-        """x normalized over its last dim, in float32, without the weight."""
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: RowOps = EAGER) -> torch.Tensor:
         if self.offset:
-            return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
-        return self.weight * self.normed(x).to(x.dtype)
+            return ops.norm(x, self.scale(), self.eps)
+        return ops.norm_after(x, self.weight, self.eps)
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor, ops: RowOps = EAGER) -> torch.Tensor:
+        """x + self(y): a post-norm's residual add."""
+        if self.offset:
+            return ops.add_norm(x, y, self.scale(), self.eps)
+        return x + ops.norm_after(y, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    """Rotary embedding (NEOX, rotate-half layout) with inverse frequencies from transformers' rope table."""
+    """Rotary embedding (NEOX, rotate-half layout) with inverse frequencies from transformers' rope
+    table: its cos/sin factors (`row_ops.rope` applies them)."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, rope_key: str | None):
         super().__init__()
@@ -102,11 +107,6 @@ class Rotary(nn.Module):
         cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
         return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] in float32 (any heads at once); cos/sin from `cos_sin`."""
-        half = x.shape[-1] // 2
-        return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin)
-
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); gate and up are one stacked matmul."""
@@ -120,9 +120,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: RowOps = EAGER) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(ops.act_mul(gate, up, self.act))
 
 
 class Attention(nn.Module):
@@ -151,15 +151,17 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k side by side as [T, Hq + Hkv, D]: normed and rotated together, in float32
         qk = qkv[:, :(hq + hkv) * d].reshape(n, hq + hkv, d)
-        if self.q_norm is not None:
-            qk = self.q_norm.normed(qk) * self.qk_scale()
-        else:
-            qk = qk.float()
-        cos, sin = rope_for(self.rotary, ctx)
-        qk = self.rotary(qk, cos, sin).to(x.dtype)
+        qk = self.rotated(qk, *rope_for(self.rotary, ctx), x.dtype, ctx.ops)
         v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
         out = ctx.backend.forward(qk[:, :hq], qk[:, hq:], v, lay, ctx.pool)
         return self.o_proj(out.reshape(n, hq * d))
+
+    def rotated(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+                ops: RowOps = EAGER) -> torch.Tensor:
+        """q and k heads side by side [T, Hq + Hkv, D]: q/k-normed and rotated in float32, then `dtype`."""
+        if self.q_norm is not None:
+            return ops.qk_rope(qk, self.qk_scale(), self.q_norm.eps, cos, sin, dtype)
+        return ops.qk_rope(qk, None, 0.0, cos, sin, dtype)
 
     def forget_cached(self) -> None:
         self._qk_of = self._qk = None

@@ -18,8 +18,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.activation, spec.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ops = ctx.ops
+        x = x + self.self_attn(self.input_layernorm(x, ops), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
 
 
 @MODEL_FAMILIES.register("llama")

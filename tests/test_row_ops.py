@@ -1,0 +1,98 @@
+"""The row ops (norms, q/k norm with rope, activation) compiled by Inductor for eager forwards of
+many rows: the same values as the eager functions (float32), the same logits and greedy tokens
+as an engine without them (tiny random llama and gemma3), no compile in a step after their
+warm-up, and the trial's rule for the row count they start at."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stemma
+from stemma import SamplingParams
+from stemma.executor.compiled_rows import CompiledRows
+from stemma.executor.forward_batch import ForwardBatch
+from stemma.models.row_ops import EAGER, RowOps, compiled_row_ops
+from tests.tiny_models import build_tiny
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+PROMPTS = [list(range(3, 40)), [7] * 30 + list(range(20, 60)), list(range(50, 83))]  # 33-70 tokens, ids < 96
+
+
+def test_compiled_ops_match_eager_on_both_layouts():
+    torch.manual_seed(0)
+    ops = compiled_row_ops()
+    rows, hidden, heads, d = 40, 24, 3, 8
+    x = torch.randn(rows, hidden)
+    y_t = torch.randn(hidden, rows).t()  # a transposed view, as some matmul kernels leave it
+    scale, w = torch.randn(hidden), torch.randn(hidden)
+    qkv = torch.randn(rows, heads * d + 16)
+    qk = qkv[:, :heads * d].reshape(rows, heads, d)
+    angles = torch.randn(rows, 1, d // 2)
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    gate, up = torch.randn(2 * 17, rows).t().split(17, dim=-1)
+    act = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731
+    cases = [("norm", (x, scale, 1e-6)), ("norm", (y_t, scale, 1e-6)), ("norm_after", (x, w, 1e-5)),
+             ("add_norm", (x, y_t, scale, 1e-6)), ("qk_rope", (qk, torch.randn(heads, d), 1e-6, cos, sin, torch.float32)),
+             ("qk_rope", (qk, None, 0.0, cos, sin, torch.float32)), ("act_mul", (gate, up, act))]
+    for name, args in cases:
+        torch.testing.assert_close(getattr(ops, name)(*args), getattr(EAGER, name)(*args),
+                                   atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def folder(request, tmp_path_factory):
+    return str(build_tiny(request.param, tmp_path_factory.mktemp(f"{request.param}_rows")))
+
+
+def make(folder, **kw):
+    return stemma.Engine(folder, dtype="float32", kv_pool_tokens=1024, max_running_requests=8,
+                         attention_backend="torch", speculative="none", **kw)
+
+
+def test_engine_with_compiled_row_ops_matches_eager(folder):
+    want_engine = make(folder, compile_decode="off")
+    want = [want_engine.generate(p, GREEDY).token_ids for p in PROMPTS]
+    engine = make(folder, compile_decode="on")
+    rows = engine.runner.compiled.rows
+    assert rows.state == "ready" and engine.stats()["compiled_rows"] == "ready"
+    rows.state, rows.min_rows = "kept", 32  # whatever the trial would say on this machine
+    assert engine.runner.compiled.row_ops(33) is rows.ops and engine.runner.compiled.row_ops(31) is EAGER
+    # `on` compiles a decode bucket in the step that first meets it: meet the batch of three here,
+    # with prefills of 5 rows (eager ops), so that the count below sees only the row ops' graphs
+    engine.generate([[5 + i] * 5 for i in range(len(PROMPTS))], GREEDY)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # each prompt alone: its prefill (33-70 rows) runs the compiled ops; together (140 rows) too
+    assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == want
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == want
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the warm-up met every layout
+    engine.check_pool_whole()
+    # the logits of one prefill, compiled ops and eager
+    runner = engine.runner
+    with torch.inference_mode(False):
+        fb = ForwardBatch.on_padding_slot(0, 0, prefill=45)
+    with torch.inference_mode():
+        got = runner.compiled._run_rows(fb, rows.ops)
+        ref = runner.compiled._run_rows(fb, EAGER)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_trial_keeps_compiled_ops_from_the_lowest_count_of_an_unbroken_run_of_wins():
+    compiled_ops = RowOps()  # not EAGER itself: the fake forward tells them apart by identity
+
+    def fake_run(wins_from):
+        def run(fb, ops):
+            eager = ops is EAGER
+            time.sleep(0.004 if eager else 0.002 if fb.num_tokens >= wins_from else 0.008)
+        return run
+
+    for wins_from, kept in ((128, 128), (32, 32), (10_000, None)):
+        rows = CompiledRows(fake_run(wins_from), cuts=(1,))
+        rows.state, rows.ops = "ready", compiled_ops
+        assert rows.ops_for(512, compiling=True) is EAGER and rows.state == "ready"  # no trial beside a compile
+        got = rows.ops_for(512, compiling=False)
+        assert rows.min_rows == kept
+        assert rows.state == ("kept" if kept else "dropped")
+        assert got is (compiled_ops if kept else EAGER)
+        if kept:
+            assert rows.ops_for(kept - 1, compiling=False) is EAGER and rows.describe() == f"kept >= {kept} rows"
