@@ -96,3 +96,20 @@ def test_trial_keeps_compiled_ops_from_the_lowest_count_of_an_unbroken_run_of_wi
         assert got is (compiled_ops if kept else EAGER)
         if kept:
             assert rows.ops_for(kept - 1, compiling=False) is EAGER and rows.describe() == f"kept >= {kept} rows"
+
+
+def test_the_step_that_holds_the_trial_is_no_sample_of_step_cost(folder):
+    engine = make(folder, compile_decode="on")
+    rows = engine.runner.compiled.rows
+    assert rows.state == "ready"
+    trial = rows.trial
+
+    def slow_trial():  # the real trial, made longer than any step of this tiny model
+        trial()
+        time.sleep(0.5)
+    rows.trial = slow_trial
+    engine.generate(PROMPTS[0], GREEDY)
+    assert rows.trials_run == 1 and rows.state in ("kept", "dropped")
+    samples = [seconds for _, seconds in engine.step_cost.samples]
+    assert samples and max(samples) < 0.5
+    engine.check_pool_whole()

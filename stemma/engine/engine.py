@@ -194,7 +194,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One step if there is work; returns the requests that got output or finished."""
         start = time.perf_counter()
-        compiling = self._compiling()
+        compiling, trials = self._compiling(), self._row_trials()
         plan = self.scheduler.schedule()
         if not plan:
             return plan.finished
@@ -209,8 +209,9 @@ class Engine:
         touched = self.scheduler.postprocess(plan, out)
         seconds = time.perf_counter() - start
         # a step a background compile slowed down (Dynamo's tracing holds the GIL, 10x for
-        # seconds) is no sample of what steps cost: neither fit learns from it
-        stalled = compiling or self._compiling()
+        # seconds), or one that held the row ops' one-off trial (executor.compiled_rows), is no
+        # sample of what steps cost: neither fit learns from it
+        stalled = compiling or self._compiling() or self._row_trials() != trials
         if not stalled:
             self.step_cost.observe(shape, seconds, predicted)
         counters = self.scheduler.counters
@@ -222,6 +223,9 @@ class Engine:
 
     def _compiling(self) -> bool:
         return self.runner.compiled is not None and self.runner.compiled.compiling
+
+    def _row_trials(self) -> int:
+        return self.runner.compiled.rows.trials_run if self.runner.compiled is not None else 0
 
     def idle_timeout(self) -> float:
         """How long `wait_for_work` may wait after a step that ran nothing (Scheduler.idle_timeout)."""

@@ -7,7 +7,7 @@ times. A compiled function's guards hold its inputs' strides, and a matmul's out
 as its kernel leaves it (`models.linear`: a transposed view at some row counts), so only the real
 forward meets every layout a step will; a step then never compiles. Then the first forward that
 finds no compile running holds the trial: synthetic prefills of each of ROWS_TRIED row counts,
-eager and compiled ops alternately, REPS of each (about a second, once). Forwards of at least
+eager and compiled ops alternately, REPS of each (about 2 s on the default model, once; the step holding it is no sample of step cost). Forwards of at least
 the smallest count from which the compiled ops won at every larger count use them; if they lost
 at the largest, none does.
 
@@ -45,6 +45,7 @@ class CompiledRows:
         self.ops: RowOps | None = None
         self.min_rows: int | None = None                 # kept: forwards of at least this many rows
         self.times: dict[int, tuple[float, float]] = {}  # rows -> (eager ms, compiled ms), the trial's medians
+        self.trials_run = 0  # the trial runs inside a step: that step's time is no sample of its cost
 
     # ---- the compile (background thread, or the constructor in `on`) ----
     def compile(self) -> None:
@@ -84,6 +85,7 @@ class CompiledRows:
         return EAGER
 
     def trial(self) -> None:
+        self.trials_run += 1
         for rows in ROWS_TRIED:
             times: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(REPS):

@@ -69,8 +69,8 @@ class ModelRunner:
             if logits is not None:
                 self.ran_compiled = True
                 return logits
+        ops = compiled.row_ops(fb.num_tokens) if compiled is not None else EAGER  # (may hold the trial first)
         t0 = time.perf_counter()
-        ops = compiled.row_ops(fb.num_tokens) if compiled is not None else EAGER
         logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
         if compiled is not None:
             compiled.timed(fb, False, time.perf_counter() - t0)
