@@ -4,16 +4,14 @@ as an engine without them (tiny random llama and gemma3), no compile in a step a
 warm-up, and the trial's rule for the row count they start at."""
 import time
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-import stemma
 from stemma import SamplingParams
 from stemma.executor.compiled_rows import CompiledRows
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.models.row_ops import EAGER, RowOps, compiled_row_ops
-from tests.tiny_models import build_tiny
+from tests.test_compiled_decode import folder, make  # noqa: F401 (folder: the tiny models' fixture)
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 PROMPTS = [list(range(3, 40)), [7] * 30 + list(range(20, 60)), list(range(50, 83))]  # 33-70 tokens, ids < 96
@@ -38,16 +36,6 @@ def test_compiled_ops_match_eager_on_both_layouts():
     for name, args in cases:
         torch.testing.assert_close(getattr(ops, name)(*args), getattr(EAGER, name)(*args),
                                    atol=1e-5, rtol=1e-5, msg=name)
-
-
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def folder(request, tmp_path_factory):
-    return str(build_tiny(request.param, tmp_path_factory.mktemp(f"{request.param}_rows")))
-
-
-def make(folder, **kw):
-    return stemma.Engine(folder, dtype="float32", kv_pool_tokens=1024, max_running_requests=8,
-                         attention_backend="torch", speculative="none", **kw)
 
 
 def test_engine_with_compiled_row_ops_matches_eager(folder):
