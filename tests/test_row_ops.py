@@ -38,6 +38,34 @@ def test_compiled_ops_match_eager_on_both_layouts():
                                    atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_compiled_ops_round_to_bf16_where_the_eager_ones_do():
+    """Each cast back to bf16 rounds as eager (without emulate_precision_casts Inductor kept float32
+    through the multiply or add after it: a quarter of these outputs differed)."""
+    torch.manual_seed(1)
+    ops = compiled_row_ops()
+    x, y = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16)
+    w = torch.randn(256, dtype=torch.bfloat16)
+    scale = torch.randn(256)
+    gate, up = torch.randn(64, 96, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)
+    act = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731
+    for name, args in (("norm_after", (x, w, 1e-5)), ("add_norm", (x, y, scale, 1e-6)), ("act_mul", (gate, up, act))):
+        got, want = getattr(ops, name)(*args), getattr(EAGER, name)(*args)
+        differ = (got != want).float().mean().item()
+        assert differ < 0.01, f"{name}: {differ:.1%} of the outputs differ"  # only a reduction's last bit may
+
+
+def spy(ops: RowOps, calls: list[str], fail: bool = False) -> RowOps:
+    """`ops`, each call recorded in `calls` by name (`fail`: each then raises instead)."""
+    def wrap(name):
+        def call(*args):
+            calls.append(name)
+            if fail:
+                raise RuntimeError(f"{name} broke")
+            return getattr(ops, name)(*args)
+        return call
+    return RowOps(**{name: wrap(name) for name in RowOps.__dataclass_fields__})
+
+
 def test_engine_with_compiled_row_ops_matches_eager(folder):
     want_engine = make(folder, compile_decode="off")
     want = [want_engine.generate(p, GREEDY).token_ids for p in PROMPTS]
@@ -45,6 +73,8 @@ def test_engine_with_compiled_row_ops_matches_eager(folder):
     rows = engine.runner.compiled.rows
     assert rows.state == "ready" and engine.stats()["compiled_rows"] == "ready"
     rows.state, rows.min_rows = "kept", 32  # whatever the trial would say on this machine
+    calls = []
+    rows.ops = spy(rows.ops, calls)
     assert engine.runner.compiled.row_ops(33) is rows.ops and engine.runner.compiled.row_ops(31) is EAGER
     # `on` compiles a decode bucket in the step that first meets it: meet the batch of three here,
     # with prefills of 5 rows (eager ops), so that the count below sees only the row ops' graphs
@@ -54,6 +84,7 @@ def test_engine_with_compiled_row_ops_matches_eager(folder):
     assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == want
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == want
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the warm-up met every layout
+    assert calls.count("norm") + calls.count("norm_after") > 0 and "act_mul" in calls  # the forwards ran them
     engine.check_pool_whole()
     # the logits of one prefill, compiled ops and eager
     runner = engine.runner
@@ -101,3 +132,27 @@ def test_the_step_that_holds_the_trial_is_no_sample_of_step_cost(folder):
     samples = [seconds for _, seconds in engine.step_cost.samples]
     assert samples and max(samples) < 0.5
     engine.check_pool_whole()
+
+
+def test_compiled_ops_that_raise_leave_every_forward_eager(folder):
+    want_engine = make(folder, compile_decode="off")
+    want = [want_engine.generate(p, GREEDY).token_ids for p in PROMPTS]
+    engine = make(folder, compile_decode="on")
+    rows = engine.runner.compiled.rows
+    calls = []
+    rows.state, rows.min_rows, rows.ops = "kept", 32, spy(rows.ops, calls, fail=True)
+    assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == want  # the failed forward reran eager
+    assert rows.state == "failed" and engine.runner.compiled.row_ops(512) is EAGER
+    assert len(calls) == 1  # the first compiled call raised; none was called again
+    engine.check_pool_whole()
+
+
+def test_a_trial_that_raises_leaves_every_forward_eager():
+    def run(fb, ops):
+        if ops is not EAGER:
+            raise RuntimeError("compiled op broke")
+    rows = CompiledRows(run, cuts=(1,))
+    rows.state, rows.ops = "ready", RowOps()
+    for _ in range(3):
+        assert rows.ops_for(512, compiling=False) is EAGER
+    assert rows.state == "failed" and rows.trials_run == 1

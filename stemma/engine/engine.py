@@ -194,7 +194,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One step if there is work; returns the requests that got output or finished."""
         start = time.perf_counter()
-        compiling, trials = self._compiling(), self._row_trials()
+        compiling, trials = self._compiling(), self.runner.row_trials()
         plan = self.scheduler.schedule()
         if not plan:
             return plan.finished
@@ -211,7 +211,7 @@ class Engine:
         # a step a background compile slowed down (Dynamo's tracing holds the GIL, 10x for
         # seconds), or one that held the row ops' one-off trial (executor.compiled_rows), is no
         # sample of what steps cost: neither fit learns from it
-        stalled = compiling or self._compiling() or self._row_trials() != trials
+        stalled = compiling or self._compiling() or self.runner.row_trials() != trials
         if not stalled:
             self.step_cost.observe(shape, seconds, predicted)
         counters = self.scheduler.counters
@@ -223,10 +223,6 @@ class Engine:
 
     def _compiling(self) -> bool:
         return self.runner.compiled is not None and self.runner.compiled.compiling
-
-    def _row_trials(self) -> int:
-        return self.runner.compiled.rows.trials_run if self.runner.compiled is not None else 0
-
     def idle_timeout(self) -> float:
         """How long `wait_for_work` may wait after a step that ran nothing (Scheduler.idle_timeout)."""
         return self.scheduler.idle_timeout()

@@ -86,14 +86,11 @@ class CompiledRows:
 
     def trial(self) -> None:
         self.trials_run += 1
-        for rows in ROWS_TRIED:
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(REPS):
-                for compiled in (False, True):
-                    t0 = time.perf_counter()
-                    self._prefill(rows, self.ops if compiled else EAGER)
-                    times[compiled].append(time.perf_counter() - t0)
-            self.times[rows] = (1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True]))
+        try:
+            self._time_both()
+        except Exception as exc:  # a compiler or runtime failure: no request's fault
+            self.fail(exc)
+            return
         self.min_rows = None
         for rows in sorted(self.times, reverse=True):  # the lowest count of an unbroken run of wins
             eager, compiled = self.times[rows]
@@ -103,6 +100,22 @@ class CompiledRows:
         self.state = "kept" if self.min_rows is not None else "dropped"
         logger.info("prefill forwards, eager vs compiled row ops: %s; %s", self.describe_times(),
                     f"compiled from {self.min_rows} rows" if self.min_rows else "eager kept")
+
+    def _time_both(self) -> None:
+        for rows in ROWS_TRIED:
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(REPS):
+                for compiled in (False, True):
+                    t0 = time.perf_counter()
+                    self._prefill(rows, self.ops if compiled else EAGER)
+                    times[compiled].append(time.perf_counter() - t0)
+            self.times[rows] = (1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True]))
+
+    def fail(self, exc: Exception) -> None:
+        """The compiled ops raised (in the trial, or in a forward that then ran eager): every
+        forward from now on uses the eager ones."""
+        self.state = "failed"
+        logger.warning("the compiled row ops failed; eager from now on: %s: %s", type(exc).__name__, exc)
 
     def describe(self) -> str:
         """The state, and for `kept` the row count from which the compiled ops run."""

@@ -11,7 +11,7 @@ from stemma.executor.compiled_decode import CompiledDecode, resolve_mode
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool, ReqToSlot
 from stemma.models.layers import ForwardContext
-from stemma.models.row_ops import EAGER
+from stemma.models.row_ops import EAGER, RowOps
 from stemma.executor.tensor_parallel import Workers
 from stemma.loader.model import LoadedModel
 
@@ -71,10 +71,28 @@ class ModelRunner:
                 return logits
         ops = compiled.row_ops(fb.num_tokens) if compiled is not None else EAGER  # (may hold the trial first)
         t0 = time.perf_counter()
-        logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
+        logits = self._eager(fb, ops)
         if compiled is not None:
             compiled.timed(fb, False, time.perf_counter() - t0)
         return logits
+
+    def _eager(self, fb: ForwardBatch, ops: RowOps) -> torch.Tensor:
+        """The eager forward with `ops`; if the compiled ones raise, again with the eager ones,
+        which are then kept for good (rerunning writes the same KV slots again). A forward that
+        raises eager too raises: the fault is the batch's, not the compiled ops'."""
+        try:
+            return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
+        except Exception as exc:
+            if ops is EAGER:
+                raise
+            logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=EAGER))
+            self.compiled.rows.fail(exc)
+            return logits
+
+    def row_trials(self) -> int:
+        """How many times the row ops' one-off trial has run (`executor.compiled_rows`): a forward
+        that held it is no sample of what a forward costs."""
+        return self.compiled.rows.trials_run if self.compiled is not None else 0
 
     def prepare(self, token_lists, req_rows, prefix_lens, logit_starts=None) -> ForwardBatch:
         """Allocates slots for the new tokens, records them in the rows, and builds the batch."""

@@ -10,7 +10,8 @@ nothing (its compiled forward fuses these already, `executor.compiled_decode`), 
 the compiled functions is measured (`executor.compiled_rows`).
 
 Invariant: the compiled and the eager function are the same code, so they compute the same
-thing; only the rounding of the float32 reductions may differ.
+thing, with the same casts (`emulate_precision_casts`); only the rounding of the float32
+reductions may differ.
 """
 from __future__ import annotations
 
@@ -77,7 +78,11 @@ def compiled_row_ops() -> RowOps:
     if not _COMPILED:
         def compile_(fn: Callable) -> Callable:
             # not fullgraph: past the recompile limit (engines of many models and dtypes in one
-            # process) a call must run eager, not raise in a step, as fullgraph makes it do
-            return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT)
+            # process) a call must run eager, not raise in a step, as fullgraph makes it do.
+            # emulate_precision_casts: each cast back to bf16 rounds as it does eager (Inductor
+            # otherwise keeps float32 through the multiply or add after it: a quarter of a bf16
+            # norm's outputs differed)
+            return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
+                                 options={"emulate_precision_casts": True})
         _COMPILED.append(RowOps(*(compile_(f) for f in (norm, norm_after, add_norm, qk_rope, act_mul))))
     return _COMPILED[0]
