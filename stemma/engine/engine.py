@@ -223,6 +223,7 @@ class Engine:
 
     def _compiling(self) -> bool:
         return self.runner.compiled is not None and self.runner.compiled.compiling
+
     def idle_timeout(self) -> float:
         """How long `wait_for_work` may wait after a step that ran nothing (Scheduler.idle_timeout)."""
         return self.scheduler.idle_timeout()

@@ -281,8 +281,8 @@ class CompiledDecode:
         none runs; under `lock`."""
         self.queue.append(bucket)
         if self.thread is None:
-                self.thread = threading.Thread(target=self._drain, name="stemma-compile", daemon=True)
-                self.thread.start()
+            self.thread = threading.Thread(target=self._drain, name="stemma-compile", daemon=True)
+            self.thread.start()
 
     def _drain(self) -> None:
         with _SHORT_SWITCH:

@@ -7,9 +7,10 @@ times. A compiled function's guards hold its inputs' strides, and a matmul's out
 as its kernel leaves it (`models.linear`: a transposed view at some row counts), so only the real
 forward meets every layout a step will; a step then never compiles. Then the first forward that
 finds no compile running holds the trial: synthetic prefills of each of ROWS_TRIED row counts,
-eager and compiled ops alternately, REPS of each (about 2 s on the default model, once; the step holding it is no sample of step cost). Forwards of at least
-the smallest count from which the compiled ops won at every larger count use them; if they lost
-at the largest, none does.
+eager and compiled ops alternately, REPS of each (about 2 s on the default model, once; the
+step that holds it is no sample of step cost). Forwards of at least the smallest count from
+which the compiled ops won at every larger count use them; if they lost at the largest, none
+does.
 
 Why by rows: a compiled call pays Dynamo's guard checks and a wrapper, some tens of
 microseconds, which a one-row forward's ops do not repay; a prefill's many rows do several times over.

@@ -15,7 +15,8 @@ reductions may differ.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -68,21 +69,19 @@ class RowOps:
 
 EAGER = RowOps()
 RECOMPILE_LIMIT = 64  # graphs per function: a layout, dtype or model each may add one
-_COMPILED: list[RowOps] = []  # built once per process: Dynamo keeps its graphs per function anyway
 
 
+@functools.cache  # once per process: Dynamo keeps its graphs per function anyway
 def compiled_row_ops() -> RowOps:
-    """The same functions compiled by Inductor, every size dynamic (one graph serves every row
+    """`EAGER`'s functions compiled by Inductor, every size dynamic (one graph serves every row
     count and model; a size of 1 is specialized, as Dynamo does). Nothing compiles here: the
     first call of each does."""
-    if not _COMPILED:
-        def compile_(fn: Callable) -> Callable:
-            # not fullgraph: past the recompile limit (engines of many models and dtypes in one
-            # process) a call must run eager, not raise in a step, as fullgraph makes it do.
-            # emulate_precision_casts: each cast back to bf16 rounds as it does eager (Inductor
-            # otherwise keeps float32 through the multiply or add after it: a quarter of a bf16
-            # norm's outputs differed)
-            return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
-                                 options={"emulate_precision_casts": True})
-        _COMPILED.append(RowOps(*(compile_(f) for f in (norm, norm_after, add_norm, qk_rope, act_mul))))
-    return _COMPILED[0]
+    def compile_(fn: Callable) -> Callable:
+        # not fullgraph: past the recompile limit (engines of many models and dtypes in one
+        # process) a call must run eager, not raise in a step, as fullgraph makes it do.
+        # emulate_precision_casts: each cast back to bf16 rounds as it does eager (Inductor
+        # otherwise keeps float32 through the multiply or add after it: a quarter of a bf16
+        # norm's outputs differed)
+        return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
+                             options={"emulate_precision_casts": True})
+    return RowOps(**{f.name: compile_(getattr(EAGER, f.name)) for f in fields(RowOps)})
