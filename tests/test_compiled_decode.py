@@ -4,6 +4,7 @@ stemma::packed_linear), the background compile beside running steps, the trial t
 faster kind, and the fallback to eager when the graph fails."""
 import math
 import sys
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import stemma
 from stemma import SamplingParams
+from stemma.executor import trace_guard
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.executor.compiled_decode import (COMPILE_SWITCH_INTERVAL, ONE, START_AFTER, CompiledDecode, Trial,
                                              _ShortSwitch, resolve_mode, row_cuts)
@@ -238,6 +240,38 @@ def test_eager_forwards_while_a_compile_runs_elsewhere(folder, reference):
     engine.check_pool_whole()
 
 
+def test_a_step_waits_out_another_threads_trace_window(folder, reference):
+    """torch.fx's tracer, under every Inductor compile, patches nn.Module.__call__ for the whole
+    process while it traces: a step beside a background compile failed ("module is not installed
+    as a submodule"). With the guard that a compile job installs, the step waits for the window
+    to close, then computes what it computes alone."""
+    trace_guard.install()
+    engine = make(folder, compile_decode="off")
+    force_packed(engine)
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocker(torch.nn.Module):
+        def forward(self, x):
+            entered.set()
+            release.wait(30)
+            return x + 1
+
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Blocker(),))
+    tracer.start()
+    assert entered.wait(30)
+    outputs = []
+    steps = threading.Thread(target=lambda: outputs.extend(engine.generate(PROMPTS, GREEDY)))
+    steps.start()
+    steps.join(0.5)
+    held = steps.is_alive() and not outputs
+    release.set()
+    tracer.join(30)
+    steps.join(120)
+    assert held, "a step ran inside another thread's trace window"
+    assert [o.token_ids for o in outputs] == reference
+    engine.check_pool_whole()
+
+
 def test_every_bucket_compiles_on_the_background_thread(tmp_path, monkeypatch):
     """Each bucket is a recompile of one function, and the compiles run on their own thread,
     which does not see a recompile limit set in dynamo's config on another: the limit goes with
@@ -281,3 +315,24 @@ def test_the_switch_interval_is_short_while_any_compile_thread_lives():
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_compile_jobs_own_forwards_do_not_wait_for_steps():
+    """A compile job's dummy forwards compile for tens of seconds: they must not hold the guard
+    that steps wait on, nor wait for a step's forward."""
+    inside, done, finished, seen = threading.Event(), threading.Event(), [], []
+
+    def step():
+        with trace_guard.forwarding():
+            inside.set()
+            done.wait(10)
+            seen.append(bool(finished))  # the job's forward ran while this one held the guard
+
+    other = threading.Thread(target=step)
+    other.start()
+    assert inside.wait(30)
+    with trace_guard.compile_job(), trace_guard.forwarding():
+        finished.append(True)
+        done.set()
+    other.join(30)
+    assert seen == [True]

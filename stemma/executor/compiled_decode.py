@@ -53,6 +53,7 @@ from torch.fx.experimental import _config as fx_config
 
 from stemma.attention.select import make_attention_backend
 from stemma.executor.compiled_rows import CompiledRows
+from stemma.executor.trace_guard import compile_job, forwarding
 from stemma.cache.kv_pool import KVPool
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.models.causal_lm import CausalLM
@@ -242,6 +243,10 @@ class CompiledDecode:
     # ---- the compiles ----
     def _compile(self, bucket: int) -> None:
         """Compiles `bucket`'s graph with a dummy forward of the fewest rows it holds."""
+        with compile_job():
+            self._compile_now(bucket)
+
+    def _compile_now(self, bucket: int) -> None:
         self.compiles[bucket] = "compiling"
         rows = 1 if bucket == ONE else self.bucket_rows(bucket)[0]
         # built outside inference mode, as the runner builds its batches: the graph's guards check
@@ -299,12 +304,13 @@ class CompiledDecode:
 
     def _run_rows(self, fb: ForwardBatch, ops: RowOps) -> torch.Tensor:
         """An eager forward with `ops` on the graphs' backend (the row ops' compile and trial)."""
-        with self.busy:
+        with self.busy, forwarding():
             return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
-        self.model.refresh_cached()
-        return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, decoder=self.graph))
+        with forwarding():
+            self.model.refresh_cached()
+            return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, decoder=self.graph))
 
     # ---- use ----
     def bucket(self, fb: ForwardBatch) -> int | None:

@@ -26,6 +26,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from stemma.executor.forward_batch import ForwardBatch
+from stemma.executor.trace_guard import compile_job
 from stemma.models.row_ops import EAGER, RowOps, compiled_row_ops
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class CompiledRows:
     # ---- the compile (background thread, or the constructor in `on`) ----
     def compile(self) -> None:
         """Compiles the ops by using them; a failure leaves every forward eager (logged)."""
+        with compile_job():
+            self._compile()
+
+    def _compile(self) -> None:
         self.state = "compiling"
         t0 = time.perf_counter()
         try:

@@ -13,6 +13,7 @@ from stemma.cache.kv_pool import KVPool, ReqToSlot
 from stemma.models.layers import ForwardContext
 from stemma.models.row_ops import EAGER, RowOps
 from stemma.executor.tensor_parallel import Workers
+from stemma.executor.trace_guard import forwarding
 from stemma.loader.model import LoadedModel
 
 
@@ -81,11 +82,13 @@ class ModelRunner:
         which are then kept for good (rerunning writes the same KV slots again). A forward that
         raises eager too raises: the fault is the batch's, not the compiled ops'."""
         try:
-            return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
+            with forwarding():
+                return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
         except Exception as exc:
             if ops is EAGER:
                 raise
-            logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=EAGER))
+            with forwarding():
+                logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=EAGER))
             self.compiled.rows.fail(exc)
             return logits
 
