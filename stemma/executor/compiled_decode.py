@@ -241,12 +241,9 @@ class CompiledDecode:
         return out
 
     # ---- the compiles ----
+    @compile_job()
     def _compile(self, bucket: int) -> None:
         """Compiles `bucket`'s graph with a dummy forward of the fewest rows it holds."""
-        with compile_job():
-            self._compile_now(bucket)
-
-    def _compile_now(self, bucket: int) -> None:
         self.compiles[bucket] = "compiling"
         rows = 1 if bucket == ONE else self.bucket_rows(bucket)[0]
         # built outside inference mode, as the runner builds its batches: the graph's guards check

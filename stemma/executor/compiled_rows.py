@@ -50,12 +50,9 @@ class CompiledRows:
         self.trials_run = 0  # the trial runs inside a step: that step's time is no sample of its cost
 
     # ---- the compile (background thread, or the constructor in `on`) ----
+    @compile_job()
     def compile(self) -> None:
         """Compiles the ops by using them; a failure leaves every forward eager (logged)."""
-        with compile_job():
-            self._compile()
-
-    def _compile(self) -> None:
         self.state = "compiling"
         t0 = time.perf_counter()
         try:

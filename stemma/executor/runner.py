@@ -81,16 +81,15 @@ class ModelRunner:
         """The eager forward with `ops`; if the compiled ones raise, again with the eager ones,
         which are then kept for good (rerunning writes the same KV slots again). A forward that
         raises eager too raises: the fault is the batch's, not the compiled ops'."""
-        try:
-            with forwarding():
+        with forwarding():
+            try:
                 return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=ops))
-        except Exception as exc:
-            if ops is EAGER:
-                raise
-            with forwarding():
+            except Exception as exc:
+                if ops is EAGER:
+                    raise
                 logits = self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, ops=EAGER))
-            self.compiled.rows.fail(exc)
-            return logits
+                self.compiled.rows.fail(exc)
+                return logits
 
     def row_trials(self) -> int:
         """How many times the row ops' one-off trial has run (`executor.compiled_rows`): a forward
