@@ -97,6 +97,25 @@ def test_compiled_forward_matches_eager(folder, reference):
     engine.check_pool_whole()
 
 
+def test_a_norm_weight_changed_in_place_reaches_the_graph(folder):
+    """A norm weight changed in place, or replaced, after the graph was compiled reaches the
+    next compiled forward (the graph makes its scales from the weights: RMSNorm.scale)."""
+    engine = make(folder, compile_decode="off")
+    force_packed(engine)
+    compiled = engine.runner.compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "on")
+    layer = engine.loaded.model.model.layers[1]
+    assert_logits_match(engine, compiled, PROMPTS[1:2], ONE)
+    with torch.no_grad():
+        layer.input_layernorm.weight.mul_(1.7).add_(0.2)
+        if layer.self_attn.k_norm is not None:
+            layer.self_attn.k_norm.weight.add_(0.5)
+    assert_logits_match(engine, compiled, PROMPTS[1:2], ONE)
+    norm = layer.post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 0.5)
+    assert_logits_match(engine, compiled, PROMPTS[1:2], ONE)
+    engine.check_pool_whole()
+
+
 def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     monkeypatch.setenv("STEMMA_COMPILE", "1")
     engine = make(folder, compile_decode="auto")

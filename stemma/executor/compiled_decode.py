@@ -6,7 +6,7 @@ the matmuls. Inductor fuses that glue into a few C++ loops per layer; the matmul
 the dispatch table chose (packed ones through the `stemma::packed_linear` op).
 
 What runs compiled: forwards in which every request decodes one token (no prefill, no draft to
-verify); the decoder layers only (the embedding, the final norm and the output matrix stay eager).
+verify); the decoder layers and the final norm (the embedding and the output matrix stay eager).
 One graph serves one *bucket* of batch sizes: a single request (Dynamo specializes a size of 1),
 then each range of rows between two cuts of the layers' dispatch tables, since the graph traces
 each matrix's kernel choice by row count (`KernelChoice.pick`). Within a bucket the batch size and
@@ -31,9 +31,9 @@ A compile that raises leaves its bucket eager; a compiled call that raises, ever
 Invariants: the graphs run on their own attention backend (per-forward metadata lives on a
 backend, and the compile thread must not touch the one the steps use); a compile holds it
 (`busy`), and a step that finds it held runs eager. A compile's dummy forward
-writes only KV slot 0, the padding slot that no request holds. Scales that modules cache from
-their weights are refreshed eagerly before each compiled call (`CausalLM.refresh_cached`), since
-a compiled graph reads them as they are. A step calls the graph only for a bucket whose compile
+writes only KV slot 0, the padding slot that no request holds. A graph makes the norm scales
+that eager forwards cache (`RMSNorm.scale`) from the weights it reads at each call, so a weight
+changed in place or replaced is seen at once. A step calls the graph only for a bucket whose compile
 has finished, so a step never compiles in `auto`.
 """
 from __future__ import annotations
@@ -172,7 +172,7 @@ class CompiledDecode:
         # The limit goes with the function: dynamo's config is per thread (a context variable), and
         # the compiles run on their own thread. Guards on the modules' attributes cost ~1 ms a
         # call; this graph serves one model only.
-        self.graph = torch.compile(_own_code(model.decoder), dynamic=True, fullgraph=True,
+        self.graph = torch.compile(_own_code(model.decode_rows), dynamic=True, fullgraph=True,
                                    recompile_limit=len(self.cuts) + 2,
                                    options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.started = False       # (auto) START_AFTER decode forwards seen
@@ -306,7 +306,6 @@ class CompiledDecode:
 
     def _run(self, fb: ForwardBatch) -> torch.Tensor:
         with forwarding():
-            self.model.refresh_cached()
             return self.model(ForwardContext(batch=fb, backend=self.backend, pool=self.pool, decoder=self.graph))
 
     # ---- use ----

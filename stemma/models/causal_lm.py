@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from stemma.attention.base import AttentionLayer
-from stemma.models.layers import Attention, ForwardContext, RMSNorm, Rotary
+from stemma.models.layers import ForwardContext, RMSNorm, Rotary
 from stemma.models.linear import Embedding, Linear, Matrix
 from stemma.models.spec import ModelSpec
 
@@ -46,7 +46,6 @@ class CausalLM(nn.Module):
         layers = [make_layer(spec, self.attention_layer(i), rotaries[spec.layer_rope_keys[i]])
                   for i in range(spec.num_layers)]
         self.model = DecoderStack(spec, layers, self.norm_offset)
-        self._cached_by: list | None = None   # refresh_cached's calls, found on first use
         self.tp = None  # a rank of a tensor-parallel model (models.parallel.parallelize)
         if spec.tie_word_embeddings:
             self.lm_head = None
@@ -78,8 +77,11 @@ class CausalLM(nn.Module):
         when soft-capped); the sampler casts what it needs. On CPU they may be a transposed view
         (see `models.linear`)."""
         ctx.backend.begin(ctx.batch)
-        h = (ctx.decoder or self.decoder)(self.embed(ctx.batch.input_ids), ctx)
-        h = self.model.norm(h[ctx.batch.logits_indices])  # eager: a few rows, often one
+        h = self.embed(ctx.batch.input_ids)
+        if ctx.decoder is None:
+            h = self.model.norm(self.decoder(h, ctx)[ctx.batch.logits_indices])  # a few rows, often one
+        else:  # one new token per request, and each request's last one has logits: every row
+            h = ctx.decoder(h, ctx)
         logits = self.output_matrix().matmul(h)
         if self.tp is not None:  # each rank's vocabulary slice, joined (the padding cut off)
             logits = self.tp.all_gather_last(logits)[:, :self.spec.vocab_size]
@@ -94,15 +96,10 @@ class CausalLM(nn.Module):
             h = layer(h, ctx)
         return h
 
-    def refresh_cached(self) -> None:
-        """Makes every scale cached from the weights current, as eager calls do on the way; a
-        compiled graph reads them as they are."""
-        if self._cached_by is None:
-            self._cached_by = [m.qk_scale if isinstance(m, Attention) else m.scale for m in self.modules()
-                               if (isinstance(m, Attention) and m.q_norm is not None)
-                               or (isinstance(m, RMSNorm) and m.offset)]
-        for make in self._cached_by:
-            make()
+    def decode_rows(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The decoder layers, then the final norm, over every row: what a compiled decode
+        forward replaces (`ForwardContext.decoder`)."""
+        return self.model.norm(self.decoder(h, ctx))
 
     # ---- weights ----
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -31,7 +31,8 @@ class ForwardContext:
     backend: AttentionBackend
     pool: KVPool
     rope_cache: dict = field(default_factory=dict)
-    decoder: Callable[[torch.Tensor, "ForwardContext"], torch.Tensor] | None = None  # None: eager layers
+    # a compiled CausalLM.decode_rows (a forward of one new token per request); None: eager layers
+    decoder: Callable[[torch.Tensor, "ForwardContext"], torch.Tensor] | None = None
     ops: RowOps = EAGER   # the norms, rope and activation of the eager layers (models.row_ops)
 
 
@@ -53,11 +54,12 @@ class RMSNorm(nn.Module):
         """`offset + weight` in float32, made again after a load (CausalLM.load_weights calls
         forget_cached: it copies through `.data`, which leaves the version alone) or when the
         weight tensor is replaced or changed in place."""
-        # Dynamo's trace only: a compiled step follows an eager one (see CompiledDecode). Not
-        # is_compiling(): that is true on every thread while any compile runs, and eager forwards
-        # run beside the background compile
+        # Dynamo's trace: the graph makes the scale from the weight it reads at each call (a
+        # loop that Inductor fuses into the norm's), so it is never stale. Not is_compiling():
+        # that is true on every thread while any compile runs, and eager forwards run beside the
+        # background compile
         if torch.compiler.is_dynamo_compiling():
-            return self._scale
+            return self.offset + self.weight.float()
         key = (self.weight, self.weight._version)
         if self._scale_of is None or self._scale_of[0] is not key[0] or self._scale_of[1] != key[1]:
             self._scale = (self.offset + self.weight.detach().float()).contiguous()
@@ -168,9 +170,9 @@ class Attention(nn.Module):
 
     def qk_scale(self) -> torch.Tensor:
         """[Hq + Hkv, D]: each query head's q-norm scale, then each KV head's k-norm scale."""
-        if torch.compiler.is_dynamo_compiling():
-            return self._qk
         q, k = self.q_norm.scale(), self.k_norm.scale()
+        if torch.compiler.is_dynamo_compiling():  # made in the graph from the weights (RMSNorm.scale)
+            return torch.cat((q.expand(self.layer.num_heads, -1), k.expand(self.layer.num_kv_heads, -1)))
         if self._qk_of is None or self._qk_of[0] is not q or self._qk_of[1] is not k:
             lay = self.layer
             self._qk = torch.cat((q.expand(lay.num_heads, -1), k.expand(lay.num_kv_heads, -1)))
