@@ -36,10 +36,10 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """The address of a Ray head of its own on 127.0.0.1: `ray start --head --block` in a session
-    of its own, which stops the processes it started when it is interrupted (`ray stop` would
-    stop every Ray cluster of this user). Any still running STOP_WAIT_S after the interrupt, or
-    left behind, are killed with the session."""
+    """The address of a Ray head of its own on 127.0.0.1: `ray start --head --block` in a process
+    group of its own, which stops the processes it started when it is interrupted (`ray stop`
+    would stop every Ray cluster of this user). Whatever of the group still runs STOP_WAIT_S
+    after the interrupt, or is left behind, is killed with the group."""
     port = free_port()
     proc = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                              "--port", str(port),
@@ -50,19 +50,24 @@ def ray_head():
     try:
         deadline = time.monotonic() + 120
         while not _listening(port):
-            assert proc.poll() is None, f"ray start exited with status {proc.returncode}"
+            assert not _exited(proc), "ray start exited"
             assert time.monotonic() < deadline, "the Ray head did not come up"
             time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(STOP_WAIT_S)  # ~1.3 s alone; once, in a full suite, it had not exited after 120 s
-        except subprocess.TimeoutExpired:
-            pass
+        stop = time.monotonic() + STOP_WAIT_S  # ~1.3 s alone; once, in a full suite, not within 120 s
+        while not _exited(proc) and time.monotonic() < stop:
+            time.sleep(0.1)
+        # the head is not reaped yet, so its pid still names only its own group
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its session: the head and everything it started
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether `proc` has exited, leaving it unreaped."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def _listening(port: int) -> bool:

@@ -80,7 +80,8 @@ class CausalLM(nn.Module):
         h = self.embed(ctx.batch.input_ids)
         if ctx.decoder is None:
             h = self.model.norm(self.decoder(h, ctx)[ctx.batch.logits_indices])  # a few rows, often one
-        else:  # one new token per request, and each request's last one has logits: every row
+        else:  # every row has logits, in order: a graph serves one new token per request
+            # (CompiledDecode.bucket), and each request's last new token has logits (ForwardBatch.build)
             h = ctx.decoder(h, ctx)
         logits = self.output_matrix().matmul(h)
         if self.tp is not None:  # each rank's vocabulary slice, joined (the padding cut off)

@@ -49,7 +49,7 @@ def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int
 # tensor it did not pack itself). Defined through torch.library.Library rather than the
 # `custom_op` decorator: a compiled decode step calls it once per dense matrix, and the
 # decorator's Python wrapper cost ~10 us a call more (~0.7 ms a step on the default model).
-_LIB = torch.library.Library("stemma", "DEF")
+_LIB = torch.library.Library("stemma", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
 _LIB.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("stemma::packed_linear", _packed_linear_fake, lib=_LIB)
