@@ -66,12 +66,17 @@ def doomed(folder):
 
 def signal_all(served: HttpServed, signum: int) -> float:
     """Sends `signum` to serve and every process under it (the gateway and the engine, whichever
-    starts which); returns when."""
+    starts which); returns when. All are stopped first, so that none of them sees another die
+    before its own signal (a gateway that saw serve die in between had failed its calls with
+    shutting_down, as a server that stops in order does)."""
     pids = tree(served.proc.pid)
     commands = " | ".join(cmdline(pid) for pid in pids)
     assert "stemma.serve.gateway" in commands and "stemma.engine.process" in commands, commands
     for pid in pids:
-        os.kill(pid, signum)
+        os.kill(pid, signal.SIGSTOP)
+    if signum != signal.SIGSTOP:
+        for pid in pids:
+            os.kill(pid, signum)
     return time.monotonic()
 
 
