@@ -8,8 +8,9 @@ and attention grows with the context). Over `--steps` engine steps the torch pro
 CPU time into matmuls (aten::mm/addmm, oneDNN's packed linear and the int8/int4 weight-only
 kernels), attention (the torch backend's KV gathers and writes, bmm, softmax, masks) and the
 rest. In a compiled step the KV gathers, writes, masks and softmax run inside Inductor's fused
-loops, which the profiler counts as the graph's own time: there they fall in the rest. Then, in the same run, the step's matrices are
-timed at one row with the kernels the dispatch table gave them, two ways:
+loops, which the profiler counts as the graph's own time: there they fall in the rest. Then, in
+the same run, the step's matrices are timed at one row with the kernels the dispatch table gave
+them, two ways:
 
 - in sequence: every matrix once, in the order the step runs them (layer by layer, then the
   output matrix), repeated; the weights stream through the caches as they do in the step;
@@ -54,11 +55,16 @@ def main() -> None:
     # speculation off: the step measured is a plain one-row decode (a verify step has more rows)
     engine = stemma.Engine(quantization=args.quantization, dtype=args.dtype, kv_pool_tokens=4096,
                            max_running_requests=2, speculative="none", compile_decode=args.compile_decode)
-    (req,) = engine.submit(list(range(100, 228)),
-                           SamplingParams(temperature=0, max_new_tokens=3500, ignore_eos=True))
+
+    def decoding(prompt: list[int]):
+        """A request of `prompt`, stepped until it has decoded a few tokens."""
+        (req,) = engine.submit(prompt, SamplingParams(temperature=0, max_new_tokens=3500, ignore_eos=True))
+        while not req.is_decoding or len(req.output_ids) < 5:
+            engine.step()
+        return req
+
     compiled = engine.runner.compiled
-    while not req.is_decoding or len(req.output_ids) < 5:
-        engine.step()
+    req = decoding(list(range(100, 228)))
     waited = time.perf_counter()
     while compiled is not None and compiled.state in ("waiting", "compiling", "trial"):
         engine.step()   # auto: eager steps until the compile starts, while it runs, then its trial
@@ -68,10 +74,7 @@ def main() -> None:
     # the measured request starts afresh: the wait above decoded hundreds of tokens, and a step's
     # attention grows with its context
     engine.abort(req.rid)
-    (req,) = engine.submit(list(range(300, 428)),
-                           SamplingParams(temperature=0, max_new_tokens=3500, ignore_eos=True))
-    while not req.is_decoding or len(req.output_ids) < 5:
-        engine.step()
+    req = decoding(list(range(300, 428)))
     first_context = req.kv_len
 
     model = engine.loaded.model

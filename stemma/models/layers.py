@@ -59,12 +59,15 @@ class RMSNorm(nn.Module):
         # that is true on every thread while any compile runs, and eager forwards run beside the
         # background compile
         if torch.compiler.is_dynamo_compiling():
-            return self.offset + self.weight.float()
+            return self._make_scale()
         key = (self.weight, self.weight._version)
         if self._scale_of is None or self._scale_of[0] is not key[0] or self._scale_of[1] != key[1]:
-            self._scale = (self.offset + self.weight.detach().float()).contiguous()
+            self._scale = self._make_scale().contiguous()
             self._scale_of = key
         return self._scale
+
+    def _make_scale(self) -> torch.Tensor:
+        return self.offset + self.weight.detach().float()
 
     def forward(self, x: torch.Tensor, ops: RowOps = EAGER) -> torch.Tensor:
         if self.offset:
@@ -172,12 +175,14 @@ class Attention(nn.Module):
         """[Hq + Hkv, D]: each query head's q-norm scale, then each KV head's k-norm scale."""
         q, k = self.q_norm.scale(), self.k_norm.scale()
         if torch.compiler.is_dynamo_compiling():  # made in the graph from the weights (RMSNorm.scale)
-            return torch.cat((q.expand(self.layer.num_heads, -1), k.expand(self.layer.num_kv_heads, -1)))
+            return self._stack_scales(q, k)
         if self._qk_of is None or self._qk_of[0] is not q or self._qk_of[1] is not k:
-            lay = self.layer
-            self._qk = torch.cat((q.expand(lay.num_heads, -1), k.expand(lay.num_kv_heads, -1)))
+            self._qk = self._stack_scales(q, k)
             self._qk_of = (q, k)
         return self._qk
+
+    def _stack_scales(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return torch.cat((q.expand(self.layer.num_heads, -1), k.expand(self.layer.num_kv_heads, -1)))
 
 
 def rope_for(rotary: Rotary, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
