@@ -15,6 +15,10 @@ from typing import Any, Mapping
 
 from stemma.field_doc import doc
 
+# a temperature below this samples greedily (as vLLM and SGLang take it): dividing logits by less
+# can overflow float32 to +-inf, and a row whose allowed tokens all became -inf would "sample" a
+# token its constraint forbids
+GREEDY_BELOW = 1e-5
 INT_LIMIT = 2**63  # every int option and token id is below it: the wire's ints (msgpack) and
                    # int64 tensors (seeds) hold 64 bits
 
@@ -125,7 +129,7 @@ class SamplingParams:
     """Each field's help text is its `stemma ... --help` description (see stemma.field_doc)."""
     max_new_tokens: int = doc(128, "most tokens to generate")
     min_new_tokens: int = doc(0, "EOS and stop_token_ids are banned until this many tokens")
-    temperature: float = doc(1.0, "0 means greedy")
+    temperature: float = doc(1.0, f"0 (or anything below {GREEDY_BELOW}) means greedy")
     top_p: float = doc(1.0, "nucleus sampling: keep the most likely tokens up to this "
                             "probability mass; in (0, 1], 1 is off")
     top_k: int = doc(-1, "keep only the k most likely tokens; -1 is off")
@@ -203,8 +207,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when sampling is argmax: temperature 0, or top_k 1."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling is argmax: temperature below GREEDY_BELOW, or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def is_constrained(self) -> bool:

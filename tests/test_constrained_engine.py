@@ -2,6 +2,7 @@
 tokenizer (float32, so batching leaves greedy tokens unchanged). A random model writes noise, so
 every output that holds its constraint here holds it because of the mask."""
 import json
+import math
 import re
 import threading
 
@@ -227,6 +228,19 @@ def test_logprob_requests_sample_every_token(folder):
     assert engine.scheduler.constrainer.stats.jumps == 0
     assert len(out.logprobs) == len(out.top_logprobs) == len(out.token_ids)
     assert all(lp <= 0.0 for lp in out.logprobs)
+
+
+def test_a_near_zero_temperature_keeps_the_constraint_and_finite_logprobs(folder):
+    # a temperature of 1e-40 once made every allowed logit -inf, so token 0 (forbidden) was drawn
+    # with logprob -inf, and the HTTP reply of it failed to encode as JSON
+    engine = make(folder)
+    for rx, prompt in (("ab|cd", [10, 11, 12]), ("}\x13", [3, 4, 5]), ("[a-z]{3}", [3, 4, 5])):
+        params = SamplingParams(regex=rx, temperature=1e-40, seed=0, max_new_tokens=8,
+                                logprobs=True, top_logprobs=5)
+        out = engine.generate(prompt, params)
+        assert_holds(out.text, ("regex", rx))
+        assert all(math.isfinite(lp) for lp in out.logprobs)
+        assert all(math.isfinite(v) for top in out.top_logprobs for _, v in top)
 
 
 def test_n_samples_and_ignore_eos_end_where_the_constraint_does(folder):

@@ -173,6 +173,16 @@ def test_tiny_temperature_is_almost_greedy():
     assert torch.equal(out.token_ids, logits.argmax(-1))
 
 
+def test_a_temperature_that_would_overflow_the_logits_is_greedy():
+    # logits / 1e-40 are all -inf where every logit is negative: argmax would then be token 0
+    logits = -1.0 - torch.rand(4, 50, generator=torch.Generator().manual_seed(3))
+    logits[:, 0] = -3.0  # never the argmax
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((1e-40, 1e-30, 9e-6, 1e-45))]
+    assert all(p.is_greedy for p in params) and not SamplingParams(temperature=1e-5).is_greedy
+    out = run(logits, [Req(p) for p in params])
+    assert torch.equal(out.token_ids, logits.argmax(-1)) and not torch.any(out.token_ids == 0)
+
+
 PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
 PERM = [6, 2, 9, 0, 4]  # token ids carrying PROBS; the other 5 of the 10 have ~0 probability
 
