@@ -3,6 +3,7 @@
     python benchmarks/latency.py                                   # all scenarios, 2 rounds
     python benchmarks/latency.py --scenarios single conc4 --rounds 3
     python benchmarks/latency.py --stemma-options kv_pool_tokens=32768 batching=continuous
+    python benchmarks/latency.py --scenarios single --prompt-len 4000   # a long context
 
 Both sides are servers driven over their own wire by one asyncio client process: stemma through
 stemma.Runtime (engine + gateway processes, a private ipc path; `client.astream`, one client
@@ -68,7 +69,12 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
          "light water stone forest letter morning friend history question answer market road bridge "
          "winter summer ocean island machine paper voice color").split()
 DISTURBED_CORES = 0.2  # a round during which other processes used more is measured again
-SLOT_CTX = 512  # llama-server KV tokens per slot: -c = parallel x SLOT_CTX (prompt <= 64 + 128 new)
+SLOT_CTX = 512  # llama-server KV tokens per slot, at least: -c = parallel x slot_ctx(args)
+
+
+def slot_ctx(args) -> int:
+    """KV tokens per llama-server slot: SLOT_CTX, or a longer prompt and its new tokens."""
+    return max(SLOT_CTX, args.prompt_len + args.new_tokens + 64)
 
 
 @dataclass(frozen=True)
@@ -205,15 +211,16 @@ class StemmaSide:
 class LlamaSide:
     name = "llama.cpp"
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, extra_args: list[str] = ()):
+    def __init__(self, binary: Path, gguf: Path, threads: int, slot_ctx: int, extra_args: list[str] = ()):
         self.binary, self.gguf, self.threads, self.extra_args = binary, gguf, threads, list(extra_args)
+        self.slot_ctx = slot_ctx
         self.server: llamacpp.LlamaServer | None = None
 
     def serve(self, parallel: int) -> None:
         if self.server is not None and self.server.parallel == parallel:
             return
         self.stop()
-        self.server = llamacpp.start_server(self.gguf, self.threads, parallel, parallel * SLOT_CTX,
+        self.server = llamacpp.start_server(self.gguf, self.threads, parallel, parallel * self.slot_ctx,
                                             binary=self.binary, extra_args=self.extra_args)
 
     async def one(self, job: Job) -> Trace:
@@ -521,7 +528,7 @@ def main(argv=None) -> int:
         raise SystemExit("llama.cpp needs a .gguf model: give --stemma-options model=PATH.gguf")
 
     stemma = StemmaSide(options)
-    llama = LlamaSide(binary, gguf, args.llama_threads, shlex.split(args.llama_args))
+    llama = LlamaSide(binary, gguf, args.llama_threads, slot_ctx(args), shlex.split(args.llama_args))
     print(f"stemma server ready in {stemma.startup_s:.1f}s", file=sys.stderr)
     try:
         from stemma.text.tokenizer import load_tokenizer
@@ -537,7 +544,7 @@ def main(argv=None) -> int:
           f"concurrent request); options {options or 'defaults'}; {stemma_threads()}")
     print(f"llama.cpp: llama-server from llama-cpp-python {args.llama_version} "
           f"({record.get('llama_server_version', '?').splitlines()[0] if record.get('llama_server_version') else '?'}), "
-          f"-t {args.llama_threads} (batch threads = -t), -c parallel x {SLOT_CTX}, HTTP /completion stream; "
+          f"-t {args.llama_threads} (batch threads = -t), -c parallel x {slot_ctx(args)}, HTTP /completion stream; "
           f"{binary}")
     print(f"all requests greedy, ignore_eos; {args.rounds} rounds, stemma then llama.cpp in each; "
           f"tables show the median over rounds; CPUs: {os.cpu_count()}")

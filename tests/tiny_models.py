@@ -33,10 +33,14 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def build_tiny(arch: str, folder: Path, seed: int = 0, shard: bool = False) -> Path:
+def build_tiny(arch: str, folder: Path, seed: int = 0, shard: bool = False, **config) -> Path:
+    """`config`: fields set on the tiny config (max_position_embeddings=8192, ...)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    cfg = tiny_config(arch)
+    for name, value in config.items():
+        setattr(cfg, name, value)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # Gemma's (1 + w) norms start at w = 0; perturb every norm so they matter
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):

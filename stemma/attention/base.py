@@ -34,6 +34,11 @@ class AttentionLayer:
 
 
 class AttentionBackend(ABC):
+    def __init__(self, windows: tuple[int, ...] = ()):
+        # the distinct sliding windows of the model's layers: a backend may prepare per-window
+        # metadata in `begin`, once for every layer of that window
+        self.windows = tuple(sorted(set(windows)))
+
     def begin(self, fb: ForwardBatch) -> None:
         """Called once per forward, before the first layer."""
         self.fb = fb

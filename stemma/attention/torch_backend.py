@@ -6,7 +6,7 @@ the batch, so `begin` computes them once per forward and every layer reuses them
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,12 +25,28 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> tor
     return ok
 
 
-def softmax_weights(scores: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+def masked_scores(scores: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
     scores = scores.float() * layer.scale
     if layer.logit_cap:
         scores = torch.tanh(scores / layer.logit_cap) * layer.logit_cap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def softmax_weights(scores: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    return torch.softmax(masked_scores(scores, mask, layer), dim=-1)
+
+
+def attend(scores: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer, v: torch.Tensor) -> torch.Tensor:
+    """softmax(masked scores) @ v, over the last dimension of `scores` (the keys; v float32)."""
+    if not torch.compiler.is_dynamo_compiling():
+        return torch.matmul(softmax_weights(scores, mask, layer), v)
+    # In a graph, the softmax's denominator is one more column of the same matmul: Inductor's C++
+    # float32 sum over the keys guards on their number (whether it passes its 4,096-long chunk),
+    # so a graph with a softmax in it recompiled, inside a step, once a context passed 4,096.
+    s = masked_scores(scores, mask, layer)
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    weighted = torch.matmul(e, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1))
+    return weighted[..., :-1] / weighted[..., -1:]
 
 
 @dataclass
@@ -48,6 +64,17 @@ class _Part:
         if window not in self.masks:
             self.masks[window] = visible(self.q_pos, self.k_pos, window)
         return self.masks[window]
+
+
+def _windowed(full: _Part, window: int) -> _Part:
+    """`full`'s queries against only the keys a sliding window can show them: per request, the
+    last min(window + E - 1, L) positions up to its last query (from 0 while its context is
+    shorter), E its queries per row (1 when decoding). Invariant: every key position visible
+    through the window from any of the request's queries is among them, and each is < L."""
+    width = min(window + full.q_pos.shape[1] - 1, full.k_pos.shape[1])
+    start = ((full.q_pos[:, -1] + 1) - width).clamp(min=0)
+    k_pos = start[:, None] + torch.arange(width, device=start.device)[None, :]
+    return replace(full, slots=full.slots.gather(1, k_pos), k_pos=k_pos, masks={})
 
 
 def extend_groups(prefix_lens: list[int], extend_lens: list[int], slack: int = 1 << 16) -> list[list[int]]:
@@ -75,6 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         device = fb.input_ids.device
         single = [i for i, e in enumerate(fb.extend_lens_cpu) if e == 1]
         self.decode_part = None
+        self.decode_windowed: dict[int, _Part] = {}
         if single:
             idx = torch.tensor(single, dtype=torch.int64, device=device)
             max_len = max(fb.prefix_lens_cpu[i] for i in single) + 1
@@ -84,9 +112,15 @@ class TorchAttentionBackend(AttentionBackend):
                 slots=fb.req_to_slot[fb.req_rows[idx], :max_len].long(),
                 q_pos=(fb.seq_lens[idx] - 1)[:, None],
                 k_pos=k_pos[None, :].expand(len(single), -1))
+            # made for every window even while the context is shorter than it, so that a compiled
+            # graph sees the same inputs before and after the context passes the window
+            self.decode_windowed = {w: _windowed(self.decode_part, w) for w in self.windows}
         starts = fb.extend_start.tolist()
         self.extend_parts = [self._extend_part(fb, group, starts, device)
                              for group in extend_groups(fb.prefix_lens_cpu, fb.extend_lens_cpu)]
+        # (no graph runs an extend: a window's keys are gathered apart only where they are fewer)
+        self.extend_windowed = [{w: _windowed(p, w) for w in self.windows
+                                 if w + p.q_pos.shape[1] - 1 < p.k_pos.shape[1]} for p in self.extend_parts]
 
     @staticmethod
     def _extend_part(fb: ForwardBatch, group: list[int], starts: list[int], device) -> _Part:
@@ -108,22 +142,27 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos=torch.arange(s_max, device=device)[None, :].expand(len(group), -1),
             take=real.nonzero().squeeze(1), dest=tokens[real])
 
+    def _decode_part(self, layer: AttentionLayer) -> _Part:
+        # a window the backend was not told of: every key, the window masked
+        return self.decode_windowed.get(layer.sliding_window, self.decode_part)
+
     def decode(self, q: torch.Tensor, layer: AttentionLayer, pool: KVPool) -> torch.Tensor:
-        return self._decode_rows(q, self.decode_part, layer, pool)
+        return self._decode_rows(q, self._decode_part(layer), layer, pool)
 
     def extend(self, q: torch.Tensor, layer: AttentionLayer, pool: KVPool) -> torch.Tensor:
         out = torch.empty_like(q)
         if self.decode_part is not None:
             tok = self.decode_part.tokens
-            out.index_copy_(0, tok, self._decode_rows(q.index_select(0, tok), self.decode_part, layer, pool))
-        for part in self.extend_parts:
-            o = self._extend_group(q.index_select(0, part.tokens), part, layer, pool)
+            out.index_copy_(0, tok, self._decode_rows(q.index_select(0, tok), self._decode_part(layer), layer, pool))
+        for part, windowed in zip(self.extend_parts, self.extend_windowed):
+            keys = windowed.get(layer.sliding_window, part)
+            o = self._extend_group(q.index_select(0, part.tokens), keys, layer, pool)
             out.index_copy_(0, part.dest, o.index_select(0, part.take))
         return out
 
     @staticmethod
     def _extend_group(q: torch.Tensor, part: _Part, layer: AttentionLayer, pool: KVPool) -> torch.Tensor:
-        """q [R*E, Hq, D], padded per request, against each request's slots 0:L."""
+        """q [R*E, Hq, D], padded per request, against the slots of its part (0:L, or a window's)."""
         r, e = part.q_pos.shape
         hkv, d = layer.num_kv_heads, layer.head_dim
         g = layer.num_heads // hkv
@@ -146,5 +185,4 @@ class TorchAttentionBackend(AttentionBackend):
         # casts (measured 1.7x slower on the project's CPU), and the probabilities stay exact
         k, v = k.float().permute(0, 2, 3, 1), v.float().transpose(1, 2)  # [B, Hkv, D, L], [B, Hkv, L, D]
         scores = torch.matmul(q.float().view(b, hkv, g, d), k)       # [B, Hkv, G, L]
-        probs = softmax_weights(scores, part.mask(layer.sliding_window)[:, None], layer)
-        return torch.matmul(probs, v).reshape(b, hkv * g, d).to(q.dtype)
+        return attend(scores, part.mask(layer.sliding_window)[:, None], layer, v).reshape(b, hkv * g, d).to(q.dtype)

@@ -18,8 +18,9 @@ from stemma.registry import ATTENTION_BACKENDS
 
 @ATTENTION_BACKENDS.register("triton")
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self):
+    def __init__(self, windows: tuple[int, ...] = ()):
         require_triton()
+        super().__init__(windows)  # the kernels skip the blocks outside a window themselves
 
     def begin(self, fb: ForwardBatch) -> None:
         super().begin(fb)

@@ -10,7 +10,9 @@ verify); the decoder layers and the final norm (the embedding and the output mat
 One graph serves one *bucket* of batch sizes: a single request (Dynamo specializes a size of 1),
 then each range of rows between two cuts of the layers' dispatch tables, since the graph traces
 each matrix's kernel choice by row count (`KernelChoice.pick`). Within a bucket the batch size and
-the context length are dynamic dimensions. Every other forward runs eager.
+the context length are dynamic dimensions, and nothing in the graph may guard on the context's
+length (see `attention.torch_backend.attend`): a guard that fails recompiles inside a step. Every
+other forward runs eager.
 
 Modes (`EngineConfig.compile_decode`):
 - `on`: the one-request graph is compiled in the constructor, each other bucket's in the step
@@ -164,7 +166,7 @@ class CompiledDecode:
         self.model = model
         self.pool = pool
         self.mode = mode
-        self.backend = make_attention_backend("torch", "cpu")
+        self.backend = make_attention_backend("torch", "cpu", model.spec.layer_windows)
         for matrix in model.matrices().values():  # stores are made on first use: here, not in a trace
             matrix.weights()
         self.cuts = row_cuts(model)

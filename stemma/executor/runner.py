@@ -53,7 +53,7 @@ class ModelRunner:
                            self.dtype, self.device)
         # one spare row, so a full running set can still hold a request being admitted
         self.req_to_slot = ReqToSlot(config.max_running_requests + 1, self.max_context, self.device)
-        self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.backend = make_attention_backend(config.attention_backend, self.device, spec.layer_windows)
         mode = resolve_mode(config.compile_decode, self.device, config.attention_backend)
         self.compiled = CompiledDecode(self.model, self.pool, mode) if mode != "off" else None
         self.ran_compiled = False   # whether the last forward ran a compiled graph
