@@ -60,7 +60,7 @@ def test_generate_help_describes_every_option_with_its_choices():
         assert f"{flag} {choices}" in text
     assert "(default: None)" not in text
     assert "--model MODEL a GGUF file or a Hugging Face model folder; not given: the default model" in text
-    assert "--temperature TEMPERATURE 0 means greedy (default: 0.0)" in text  # the command's default
+    assert "--temperature TEMPERATURE 0 (or anything below 1e-05) means greedy (default: 0.0)" in text  # the command's default
 
 
 def test_a_wrong_flag_gets_a_suggestion_and_its_value_never_becomes_the_prompt():
