@@ -66,12 +66,18 @@ class _Part:
         return self.masks[window]
 
 
+def _window_width(full: _Part, window: int) -> int:
+    """How many keys `_windowed` gives each request of `full`: min(window + E - 1, L), E the
+    queries per row (1 when decoding), L the keys of `full`."""
+    return min(window + full.q_pos.shape[1] - 1, full.k_pos.shape[1])
+
+
 def _windowed(full: _Part, window: int) -> _Part:
     """`full`'s queries against only the keys a sliding window can show them: per request, the
-    last min(window + E - 1, L) positions up to its last query (from 0 while its context is
-    shorter), E its queries per row (1 when decoding). Invariant: every key position visible
-    through the window from any of the request's queries is among them, and each is < L."""
-    width = min(window + full.q_pos.shape[1] - 1, full.k_pos.shape[1])
+    last `_window_width` positions up to its last query (from 0 while its context is shorter).
+    Invariant: every key position visible through the window from any of the request's queries
+    is among them, and each is < L."""
+    width = _window_width(full, window)
     start = ((full.q_pos[:, -1] + 1) - width).clamp(min=0)
     k_pos = start[:, None] + torch.arange(width, device=start.device)[None, :]
     return replace(full, slots=full.slots.gather(1, k_pos), k_pos=k_pos, masks={})
@@ -120,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
                              for group in extend_groups(fb.prefix_lens_cpu, fb.extend_lens_cpu)]
         # (no graph runs an extend: a window's keys are gathered apart only where they are fewer)
         self.extend_windowed = [{w: _windowed(p, w) for w in self.windows
-                                 if w + p.q_pos.shape[1] - 1 < p.k_pos.shape[1]} for p in self.extend_parts]
+                                 if _window_width(p, w) < p.k_pos.shape[1]} for p in self.extend_parts]
 
     @staticmethod
     def _extend_part(fb: ForwardBatch, group: list[int], starts: list[int], device) -> _Part:
