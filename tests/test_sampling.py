@@ -264,6 +264,26 @@ def test_banned_ids_are_never_drawn():
         reqs = [Req(r.params, [], r.output_ids + [0]) for r in reqs]
 
 
+@pytest.mark.parametrize("penalty", [1e-40, 1e-30, 1e39, 3e38])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 1e-5])
+def test_an_extreme_repetition_penalty_keeps_the_bans(penalty, temperature):
+    # every allowed token (0 and 5 are banned) has been seen: times 1e39 the negative ones
+    # overflow to -inf, tying with the banned tokens, and argmax then drew token 0, which is
+    # banned; divided by 1e-40 a positive one overflows to +inf, and a softmax over it gives NaN
+    logits = torch.tensor([[4.0, -1.0, -2.0, -3.0, -4.0, 5.0], [4.0, 1.0, 2.0, -3.0, -4.0, 5.0]])
+    seen = [1, 2, 3, 4]
+    reqs = [Req(SamplingParams(temperature=temperature, repetition_penalty=penalty, top_p=0.9, seed=i), seen, [])
+            for i in range(2)]
+    banned = [[0, 5], [0, 5]]
+    for _ in range(10):
+        out = run(logits, reqs, sampler=Sampler(), banned_ids=banned)
+        assert set(out.token_ids.tolist()) <= {1, 2, 3, 4}, out.token_ids
+    scores = apply_penalties(logits, SamplingBatch.build(reqs, 6, banned_ids=banned))
+    assert torch.isfinite(scores[:, 1:5]).all()
+    if penalty > 1:   # the order of what is left is kept as far as float32 can hold it
+        assert scores[1, 2] >= scores[1, 1] > scores[1, 3] >= scores[1, 4]
+
+
 def test_batch_rejects_bad_inputs():
     with pytest.raises(ValueError, match="outside"):
         SamplingBatch.build([Req(SamplingParams(repetition_penalty=1.1), [7])], 5)

@@ -52,6 +52,7 @@ def row_major_float(logits: torch.Tensor) -> torch.Tensor:
 
 
 _ARGMAX_CHUNK = 4096
+PENALIZED_BOUND = 1e30   # |a penalized logit| at most; 1e30 / 1e-5 (the least sampled temperature) < float32's max
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,10 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = torch.where(pen.seen, repeated, rows)
         rows = rows - pen.counts * pen.frequency[:, None]
         rows = rows - (pen.counts > 0).float() * pen.presence[:, None]
-        scores[pen.rows] = rows
+        # finite, so that -inf stays the bans' alone: a penalty of 1e39 (or 1e-40) overflows a
+        # seen logit to -inf (+inf), where argmax would take a banned token and softmax give NaN.
+        # Divided by a temperature >= GREEDY_BELOW, the bound stays finite too.
+        scores[pen.rows] = rows.clamp(-PENALIZED_BOUND, PENALIZED_BOUND)
     if batch.bias is not None:
         rows, ids, values = batch.bias
         scores.index_put_((rows, ids), values.to(scores.dtype), accumulate=True)
