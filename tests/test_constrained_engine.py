@@ -252,6 +252,20 @@ def test_n_samples_and_ignore_eos_end_where_the_constraint_does(folder):
     engine.check_pool_whole()
 
 
+def test_siblings_share_one_check_of_a_slow_constraint(folder, monkeypatch):
+    """The n siblings' constraint is checked once: when its compile outlasts the check window,
+    each further check queued behind it, stalling the engine loop n windows (0.25 s each)."""
+    engine = make(folder)
+    constrainer = engine.scheduler.constrainer
+    check, calls = constrainer.check, []
+    monkeypatch.setattr(constrainer, "check", lambda params: calls.append(params) or check(params))
+    reqs = engine.submit([4, 4], SamplingParams(regex=r"[0-9]{2}", n=4, seed=1, temperature=1.0))
+    assert len(reqs) == 4 and len(calls) == 1
+    engine.run_until_done(reqs)
+    assert all(re.fullmatch(r"[0-9]{2}", engine.output(r).text) for r in reqs)
+    engine.check_pool_whole()
+
+
 def test_a_model_without_tokenizer_refuses_constraints_by_field(tmp_path):
     from tests.tiny_models import build_tiny
     engine = make(str(build_tiny("llama", tmp_path)))

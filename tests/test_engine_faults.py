@@ -145,6 +145,39 @@ def test_a_guide_failing_mid_stream_fails_its_request_only(bytelevel, method):
     engine.check_pool_whole()
 
 
+@pytest.mark.parametrize("method", ["forced_bytes", "accept_many"])
+def test_a_guide_failing_while_drafts_are_planned_fails_its_request_only(bytelevel, method):
+    """With speculation, the scheduler asks each guide what text it forces (jump-forward off) and
+    how many drafts it accepts before the step runs: a guide raising there fails its request
+    alone, and the step goes on (it used to raise out of schedule(), leaking the decode slots)."""
+    engine = make(bytelevel, enable_jump_forward=False, speculative="ngram")
+    baseline = [o.token_ids for o in engine.generate(prompts(), [CONSTRAINED] * 3 + [GREEDY] * 3)]
+    reqs = guided_batch(engine, victim_at=1)
+    guide = reqs[1].constraint
+    setattr(guide, method, broken)
+    if method == "accept_many":  # drafts to check every step: the guide is asked each time
+        propose = engine.spec.drafter.propose
+        engine.spec.drafter.propose = lambda rs, ks: [([5, 6], src) if r is reqs[1] else (t, src)
+                                                      for r, (t, src) in zip(rs, propose(rs, ks))]
+    engine.run_until_done(reqs)
+    victim = reqs[1]
+    assert victim.finish_reason == "error" and victim.fault and "the guide broke" in victim.error
+    assert [r.output_ids for i, r in enumerate(reqs) if i != 1] == baseline[:1] + baseline[2:]
+    engine.check_pool_whole()
+
+
+def test_a_drafter_failing_leaves_its_steps_without_drafts(folder, reference):
+    engine = make(folder, speculative="ngram")
+
+    def failing(reqs, lengths):
+        raise RuntimeError("the drafter broke")
+    engine.spec.drafter.propose = failing
+    outs = engine.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.stats()["spec_proposed"] == 0
+    engine.check_pool_whole()
+
+
 @pytest.mark.parametrize("speculative", ["none", "ngram"])
 def test_a_stop_string_detokenizer_fault_fails_its_request_only(folder, reference, monkeypatch,
                                                                 speculative):

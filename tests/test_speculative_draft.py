@@ -188,6 +188,25 @@ def test_greedy_invariance_when_the_cost_model_chooses(folder, draft_folder, ref
     finish_both(engine)
 
 
+def test_a_failing_draft_forward_gives_no_drafts_and_leaks_no_draft_slot(folder, draft_folder, reference,  # noqa: F811
+                                                                        monkeypatch):
+    engine = make_draft(folder, draft_folder)
+    drafter = drafter_of(engine)
+    forward, calls = drafter._forward, []
+
+    def failing(*args, **kw):  # every third draft forward fails, mid-way through some drafting
+        calls.append(1)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("the draft forward broke")
+        return forward(*args, **kw)
+    monkeypatch.setattr(drafter, "_forward", failing)
+    reqs = [r for p in prompts() for r in engine.submit(p, GREEDY)]
+    run_checked(engine, reqs)
+    assert [r.output_ids for r in reqs] == reference
+    assert engine.stats()["spec_accepted"] > 0
+    finish_both(engine)
+
+
 def test_greedy_invariance_with_a_draft_model_under_kv_pressure(folder, draft_folder, reference):  # noqa: F811
     need = sum(len(p) + GREEDY.max_new_tokens for p in prompts())
     engine = make_draft(folder, draft_folder, kv_pool_tokens=need // 3, chunked_prefill_size=32,

@@ -187,8 +187,9 @@ class Engine:
                 p = params.replace(n=1, seed=None if params.seed is None else sibling_seed(params.seed, i))
             reqs.append(Request(rid=rid if params.n == 1 else f"{rid}-{i}", input_ids=ids, params=p,
                                 salt=salt, call=call))
-        for req in reqs:  # the first add checks what every sibling shares, so none or all queue
-            self.scheduler.add(req)
+        checked = self.scheduler.check(params)  # siblings share their constraint: none or all queue
+        for req in reqs:
+            self.scheduler.add(req, checked)
         return reqs
 
     def step(self) -> list[Request]:

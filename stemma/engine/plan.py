@@ -27,6 +27,9 @@ class StepPlan:
     finished: list[Request] = field(default_factory=list)
     drafts: dict[int, tuple[list[int], str]] = field(default_factory=dict)
     decodes: int = 0                 # requests 0..decodes-1 decode (with or without drafts)
+    # request i's constraint raised while its drafts were planned: it runs draftless and fails
+    # with the step's results (its guide may be left mid-way), its neighbours unaffected
+    faults: dict[int, Exception] = field(default_factory=dict)
 
     def add(self, req: Request, n: int) -> None:
         self.reqs.append(req)

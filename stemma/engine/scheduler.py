@@ -58,14 +58,17 @@ if TYPE_CHECKING:
     from stemma.cache.kv_pool import ReqToSlot
     from stemma.cache.radix_cache import RadixCache
     from stemma.constrained.constrainer import Constrainer
+    from stemma.constrained.spec import ConstraintSpec
     from stemma.engine_config import EngineConfig
     from stemma.executor.executor import StepOutput
+    from stemma.sampling_params import SamplingParams
     from stemma.speculative.speculation import Speculation
 
 logger = logging.getLogger(__name__)
 
 SHARED_PREFIX_TOKENS = 16  # in-batch prefix sharing: defer a request sharing this many new tokens
 IDLE_WAIT_S = 0.001        # `wait` when nothing is pending that would wake it
+UNCHECKED = object()       # `add` without a `check` its caller made
 GUIDE_WAIT_S = 1.0         # `wait` while a guide builds (its completion wakes it sooner)
 
 
@@ -96,12 +99,19 @@ class Scheduler:
         self._held_until: float | None = None  # nothing runs and retention holds calls back until then
 
     # ---- queue ----
-    def add(self, req: Request) -> None:
-        """Queues req; a ValueError (too long, or a bad regex/json_schema/grammar) queues nothing."""
+    def check(self, params: SamplingParams) -> ConstraintSpec | Future | None:
+        """What `add` needs of params' constraint (None: unconstrained), compiled once to prove it
+        sound: a ValueError naming the field when it is not. A compile that outlasts the check
+        window is a Future, and a second check would queue behind it, so siblings share one."""
+        return self.constrainer.check(params) if params.is_constrained else None
+
+    def add(self, req: Request, checked: ConstraintSpec | Future | None | object = UNCHECKED) -> None:
+        """Queues req; a ValueError (too long, or a bad regex/json_schema/grammar) queues nothing.
+        `checked`: what `check` gave for req.params' constraint, when the caller checked it."""
         if len(req.tokens) >= self.max_context:
             raise ValueError(f"prompt of {len(req.tokens)} tokens does not fit the context of "
                              f"{self.max_context} tokens")
-        spec = self.constrainer.check(req.params) if req.params.is_constrained else None
+        spec = self.check(req.params) if checked is UNCHECKED else checked
         req.state = ReqState.WAITING
         if spec is None:
             self.waiting.append(req)

@@ -87,6 +87,7 @@ class Executor:
             faults.INJECTED.fire("forward", plan.reqs)
         logits = self.runner.forward(fb)
         out = StepOutput()
+        out.failed.update((i, fault_text("its constraint", exc)) for i, exc in plan.faults.items())
         ends = torch.tensor(fb.logits_counts).cumsum(0).tolist()  # request i's rows end at ends[i]
         rows, sampled, paths = [], [], []
         owners: list[int] = []  # plan index of each sampled row

@@ -147,7 +147,12 @@ class DraftModelDrafter:
             n = len(req.tokens) - start + k - 1
             self.table.write(state.row, start, slots[at:at + n])
             at += n
-        for i, drafts in zip((w[0] for w in work), self._draft(work)):
+        try:
+            drafted = self._draft(work)
+        except Exception:
+            self.allocator.free(slots)  # _draft books its KV in the rows only once all forwards ran
+            raise
+        for i, drafts in zip((w[0] for w in work), drafted):
             out[i] = (drafts, SOURCE)
         return out
 

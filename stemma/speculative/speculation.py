@@ -18,6 +18,7 @@ draft tokens at what keeps it within the target.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from stemma.cache.radix_cache import RadixCache
     from stemma.engine.plan import StepPlan
     from stemma.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 PRIOR_WEIGHT = 2.0      # a request's own history counts this many drafts' worth of its drafter's
 SOURCE_DECAY = 0.99     # per verified draft: a drafter's rate follows its recent record
@@ -98,11 +101,29 @@ class Guard(Protocol):
         """Up to k tokens of the text req's constraint forces from here (none: nothing forced)."""
 
 
-def _cut(drafts: list[tuple[list[int], str]], reqs: list[Request],
+def _cut(plan: StepPlan, drafts: list[tuple[list[int], str]], reqs: list[tuple[int, Request]],
          guard: Guard | None) -> list[tuple[list[int], str]]:
-    """Each constrained request's drafts up to the first one its constraint forbids."""
-    return [(tokens[:guard.allowed_drafts(req, tokens)] if req.constraint is not None and tokens else tokens,
-             source) for (tokens, source), req in zip(drafts, reqs)]
+    """Each constrained request's drafts up to the first one its constraint forbids (none, and
+    the request's fault in the plan, when its constraint raises)."""
+    out = []
+    for (tokens, source), (i, req) in zip(drafts, reqs):
+        if req.constraint is not None and tokens:
+            try:
+                tokens = tokens[:guard.allowed_drafts(req, tokens)]
+            except Exception as exc:
+                plan.faults[i], tokens = exc, []
+        out.append((tokens, source))
+    return out
+
+
+def _propose(drafter: Drafter, reqs: list[Request], lengths: list[int]) -> list[tuple[list[int], str]]:
+    """The drafter's proposals; none when it fails (drafts are optional: the step goes on
+    without them, as with no drafter)."""
+    try:
+        return drafter.propose(reqs, lengths)
+    except Exception:
+        logger.exception("drafting for %d requests failed; the step runs without drafts", len(reqs))
+        return [([], next(iter(drafter.sources))) for _ in reqs]
 
 
 class Speculation:
@@ -140,15 +161,24 @@ class Speculation:
                     req.spec_state = SpecState()
                 reqs.append((i, req))
                 limits.append(k)
+        forced = {}
+        for j, ((i, req), k) in enumerate(zip(reqs, limits)):
+            if req.constraint is not None:
+                try:
+                    if tokens := guard.forced_drafts(req, k):
+                        forced[j] = tokens
+                except Exception as exc:
+                    plan.faults[i] = exc
+        if plan.faults:  # a failing request drafts nothing
+            kept = [j for j, (i, _) in enumerate(reqs) if i not in plan.faults]
+            forced = {kept.index(j): t for j, t in forced.items() if j in kept}
+            reqs, limits = [reqs[j] for j in kept], [limits[j] for j in kept]
         if not reqs:
             return
-        forced = {}
-        for j, ((_, req), k) in enumerate(zip(reqs, limits)):
-            if req.constraint is not None and (tokens := guard.forced_drafts(req, k)):
-                forced[j] = tokens
         if self.drafter.free:
-            drafts = _cut(self.drafter.propose([r for _, r in reqs], limits), [r for _, r in reqs], guard)
-            drafts = [(forced[j], FORCED) if j in forced else d for j, d in enumerate(drafts)]
+            drafts = _cut(plan, _propose(self.drafter, [r for _, r in reqs], limits), reqs, guard)
+            drafts = [(forced[j], FORCED) if j in forced and reqs[j][0] not in plan.faults else d
+                      for j, d in enumerate(drafts)]
             lengths = self.choose(len(indices), [(self._alpha(r, src), len(t))
                                                  for (_, r), (t, src) in zip(reqs, drafts)], max_rows,
                                   decode_only)
@@ -159,8 +189,8 @@ class Speculation:
                 for j, ((_, r), k) in enumerate(zip(reqs, limits))], max_rows, decode_only)
             chosen = [(j, r) for j, (_, r) in enumerate(reqs) if lengths[j] and j not in forced]
             drafts = [(forced[j], FORCED) if j in forced else ([], source) for j in range(len(reqs))]
-            proposed = self.drafter.propose([r for _, r in chosen], [lengths[j] for j, _ in chosen])
-            for (j, _), d in zip(chosen, _cut(proposed, [r for _, r in chosen], guard)):
+            proposed = _propose(self.drafter, [r for _, r in chosen], [lengths[j] for j, _ in chosen])
+            for (j, _), d in zip(chosen, _cut(plan, proposed, [reqs[j] for j, _ in chosen], guard)):
                 drafts[j] = d
         lengths = [min(k, len(t)) for k, (t, _) in zip(lengths, drafts)]
         total = sum(lengths)

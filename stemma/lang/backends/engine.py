@@ -99,10 +99,11 @@ class EngineBackend(Backend):
             try:
                 stepped = self.engine.step()
             except Exception as exc:  # an engine failure fails every request waiting on it
-                for waiter in self._waiting.values():
+                waiters = list(self._waiting.values())
+                self._abort(waiters)  # and ends them: nobody will read what they would compute
+                for waiter in waiters:
                     if not waiter.future.done():
                         waiter.future.set_exception(exc)
-                self._waiting.clear()
                 return
             woken = False
             for waiter in list(self._waiting.values()):
