@@ -3,6 +3,7 @@ tiny random llama with a ByteLevel tokenizer (so constrained decoding works), in
 Greedy outputs are compared with the in-process Engine on the same checkpoint."""
 import asyncio
 import json
+import re
 import time
 
 import httpx2
@@ -283,7 +284,10 @@ def test_errors_are_openai_error_objects(server):
     assert_error(http(server, "POST", "/v1/completions", json={**ok, "temperature": -1}), 400, "temperature")
     assert_error(http(server, "POST", "/v1/completions", json={**ok, "max_tokens": "many"}), 400, "max_tokens")
     assert_error(http(server, "POST", "/v1/completions", json={**ok, "top_k": 0}), 400, "top_k")
-    assert_error(http(server, "POST", "/v1/completions", json={**ok, "logit_bias": {"x": 1}}), 400, "logit_bias")
+    for key in ("x", "--5", "\u00b2", "1" * 5000):  # "--5", "²" and 5,000 digits were 500s: int() refused them
+        assert_error(http(server, "POST", "/v1/completions", json={**ok, "logit_bias": {key: 1}}), 400, "logit_bias")
+    assert_error(http(server, "POST", "/v1/completions", json={**ok, "regex": "a+", "guided_regex": "b+"}),
+                 400, "guided_regex")
     assert_error(http(server, "POST", "/v1/completions", json={"model": "tiny"}), 400, "prompt")
     assert_error(http(server, "POST", "/v1/completions", content=b"{not json",
                       headers={"Content-Type": "application/json"}), 400)
@@ -296,7 +300,89 @@ def test_errors_are_openai_error_objects(server):
                       json={"model": "tiny", "messages": [{"role": "tool", "content": None}],
                             "add_generation_prompt": False}), 400, "messages")
     assert_error(http(server, "POST", "/v1/completions", json={**ok, "prompt": []}), 400, "prompt")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    assert_error(http(server, "POST", "/v1/chat/completions", json={**chat, "top_logprobs": 2}), 400,
+                 "top_logprobs")  # as OpenAI: top_logprobs needs logprobs: true
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"},
+                   {"tool_choice": {"type": "function", "function": {"name": "f"}}}):
+        assert_error(http(server, "POST", "/v1/chat/completions", json={**chat, "tools": tools, **choice}),
+                     400, "tool_choice")  # no tool-call parsing: refused, not silently ignored
+    assert http(server, "POST", "/v1/chat/completions",
+                json={**chat, "tools": tools, "tool_choice": "none"}).status_code == 200
     assert http(server, "POST", "/v1/completions", json=ok).status_code == 200  # still serving
+
+
+def test_null_means_the_default(server):
+    """Clients that send every field, unset ones as null, are served as OpenAI and vLLM serve
+    them; a null max_tokens keeps its meaning (as long as the context allows)."""
+    nulls = dict.fromkeys(["n", "stream", "stream_options", "stop", "seed", "logit_bias", "user",
+                           "response_format", "top_k", "ignore_eos", "best_of", "suffix"])
+    out = http(server, "POST", "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                                       "temperature": 0, "echo": None, "logprobs": None,
+                                                       **nulls})
+    assert out.status_code == 200, out.text
+    (choice,) = out.json()["choices"]
+    assert choice["logprobs"] is None and not choice["text"].startswith(PROMPT)
+    chat = http(server, "POST", "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 3,
+        "logprobs": None, "top_logprobs": None, "add_generation_prompt": None, "tools": None,
+        "tool_choice": None, "stream_options": {"include_usage": None}, **nulls})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1
+    assert_error(http(server, "POST", "/v1/completions", json={"model": "tiny", "prompt": None}), 400, "prompt")
+
+
+def test_seeds_and_logprobs_as_openai_takes_them(client):
+    """Any 64-bit seed; `logprobs: 0` lists the chosen token alone (OpenAI, vLLM)."""
+    sampled = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                         seed=seed).choices[0].text for seed in (-1, -1, -2)]
+    assert sampled[0] == sampled[1]
+    out = client.completions.create(model="tiny", prompt=PROMPT, logprobs=0, **greedy(4)).choices[0]
+    lp = out.logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
+    assert [top[t] for top, t in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+
+
+def test_vllm_guided_fields(client):
+    picks = ["yes", "no (maybe)", "a|b.c"]
+    for seed in range(3):
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                        seed=seed, extra_body={"guided_choice": picks})
+        assert out.choices[0].text in picks
+    regex = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1,
+                                      extra_body={"guided_regex": r"\d{3}"})
+    assert re.fullmatch(r"\d{3}", regex.choices[0].text)
+    obj = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}],
+                                         max_tokens=60, temperature=0.8, seed=2,
+                                         extra_body={"guided_json": JSON_SCHEMA})
+    jsonschema.validate(json.loads(obj.choices[0].message.content), JSON_SCHEMA)
+
+
+def test_a_streamed_echo_with_logprobs_reads_its_prompt_from_the_cache(client):
+    """A streamed echo is the prompt's text only, so its prompt is not scored: the cache serves it
+    (scoring it would bypass the cache, and refuse prompts past max_prompt_logprobs)."""
+    prompt = "a streamed echo keeps its prompt in the cache " * 3
+
+    def usage():
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1,
+                                                stream=True, stream_options={"include_usage": True},
+                                                **greedy(2)))
+        assert "".join(c.choices[0].text for c in chunks[:-1]).startswith(prompt)
+        return chunks[-1].usage
+    usage()
+    again = usage()
+    assert again.prompt_tokens_details.cached_tokens >= again.prompt_tokens - 1
+
+
+def test_chat_ignore_eos_runs_past_the_turn_s_end():
+    from stemma.lang.chat_template import PLAIN
+    from stemma.serve.http.chat import stops_of
+    from stemma.serve.http.openai_models import ChatCompletionRequest
+    req = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], stop="END", stop_token_ids=[7])
+    stops, ids = stops_of(ChatCompletionRequest(**req), PLAIN)
+    assert stops == ["END", *PLAIN.stop] and ids == [7]
+    assert stops_of(ChatCompletionRequest(**req, ignore_eos=True), PLAIN) == (["END"], [7])
 
 
 def test_logit_bias_and_extra_fields(client, engine):

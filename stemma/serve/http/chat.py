@@ -39,8 +39,19 @@ def _template(tokenizer: Any) -> ChatTemplate:
     return for_codec(HFCodec(tokenizer))
 
 
+def check_tools(req: ChatCompletionRequest) -> None:
+    """Tool calls are not parsed here, so only `tool_choice: "none"` is served with tools (the
+    template still shows them): as vLLM without a tool parser, "auto" (the default when tools
+    are given), "required" or a named function is a 400, not a reply that silently ignores them."""
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    if choice != "none":
+        raise bad_field("tool_choice", f"tool_choice {choice!r} needs tool-call parsing, which this "
+                                       "server does not do; send tool_choice \"none\" (the tools are "
+                                       "then shown to the chat template) or no tools")
+
+
 def render(state: HttpState, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-           continue_final: bool = False) -> tuple[list[int], ChatTemplate]:
+           continue_final: bool = False, tools: list[dict] | None = None) -> tuple[list[int], ChatTemplate]:
     """The prompt's token ids, and the template (its stops end the assistant turn)."""
     tok = state.tokenizer
     if tok is None:
@@ -55,7 +66,7 @@ def render(state: HttpState, messages: list[dict[str, str]], add_generation_prom
             text += PLAIN.prefix("assistant")
         return list(tok(text).input_ids), template
     try:
-        text = tok.apply_chat_template(messages, tokenize=False,
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                        add_generation_prompt=add_generation_prompt and not continue_final,
                                        continue_final_message=continue_final)
     except Exception as exc:  # jinja templates raise their own errors for what they refuse
@@ -65,18 +76,29 @@ def render(state: HttpState, messages: list[dict[str, str]], add_generation_prom
     return list(ids), template
 
 
+def stops_of(req: ChatCompletionRequest, template: ChatTemplate) -> tuple[list[str], list[int]]:
+    """The request's stop strings and stop token ids, then the template's, which end the
+    assistant turn, unless it asks to ignore EOS (as vLLM's benchmarks do): it then runs to its
+    max_tokens past the turn's end too."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop_ids = list(req.stop_token_ids or [])
+    if not req.ignore_eos:
+        stops += [s for s in template.stop if s not in stops]
+        stop_ids += [t for t in template.stop_ids if t not in stop_ids]
+    return stops, stop_ids
+
+
 def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], template: ChatTemplate) -> G.Run:
     if not ids:
         raise bad_field("messages", "the messages render to an empty prompt (no tokens)")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_field("top_logprobs", "top_logprobs needs logprobs: true")
     prompts = [G.Prompt(ids)]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     extra: dict[str, Any] = {}
-    if req.logprobs or req.top_logprobs:
+    if req.logprobs:
         extra.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    stop_ids = list(req.stop_token_ids or [])
-    extra["stop"] = stops + [s for s in template.stop if s not in stops]
-    extra["stop_token_ids"] = stop_ids + [t for t in template.stop_ids if t not in stop_ids]
+    extra["stop"], extra["stop_token_ids"] = stops_of(req, template)
     params = params_of(req, G.max_tokens_for(state, prompts, requested), **extra)
     return G.start(state, prompts, params, req.stream, call=req.program_call)
 
@@ -101,10 +123,11 @@ def _base(state: HttpState, run: G.Run, kind: str) -> dict:
 
 async def create(state: HttpState, req: ChatCompletionRequest, request: Request):
     check_model(req.model, state.model_names())
+    check_tools(req)
     ids, template = await G.off_loop(render, state, as_dicts(req.messages), req.add_generation_prompt,
-                                     req.continue_final_message)
+                                     req.continue_final_message, req.tools)
     run = _start(state, req, ids, template)
-    want_logprobs = req.logprobs or bool(req.top_logprobs)
+    want_logprobs = req.logprobs
 
     def body(outs: list[P.Finished]) -> dict:
         choices = [{"index": run.choice(o),
@@ -118,7 +141,7 @@ async def create(state: HttpState, req: ChatCompletionRequest, request: Request)
 
 async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    want_logprobs = req.logprobs or bool(req.top_logprobs)
+    want_logprobs = req.logprobs
     base = _base(state, run, "chat.completion.chunk")
     extra = {"usage": None} if include_usage else {}
 

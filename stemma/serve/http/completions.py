@@ -64,12 +64,14 @@ class Logprobs:
 
     def add_output(self, ids: list[int], logprobs: list[float] | None, tops) -> None:
         for i, token in enumerate(ids):
-            top = None
+            logprob = logprobs[i] if logprobs is not None else None
             if tops is not None:  # most likely first: two ids decoding alike keep the likelier
                 top = {}
                 for t, lp in tops[i]:
                     top.setdefault(G.token_text(self.state.tokenizer, t), lp)
-            self.add(token, logprobs[i] if logprobs is not None else None, top)
+            else:  # `logprobs: 0`: no alternatives, but the chosen token is listed (as OpenAI, vLLM)
+                top = None if logprob is None else {G.token_text(self.state.tokenizer, token): logprob}
+            self.add(token, logprob, top)
 
 
 def _choice(state: HttpState, req: CompletionRequest, run: G.Run, out: P.Finished) -> dict:
@@ -103,7 +105,7 @@ def _start(state: HttpState, req: CompletionRequest, prompts: list[G.Prompt]) ->
     extra = {}
     if req.logprobs is not None:
         extra.update(logprobs=True, top_logprobs=req.logprobs)
-        if req.echo:
+        if req.echo and not req.stream:  # a streamed echo is the prompt's text alone
             extra["logprob_start"] = 0
     params = params_of(req, G.max_tokens_for(state, prompts, req.max_tokens), **extra)
     return G.start(state, prompts, params, req.stream, call=req.program_call)

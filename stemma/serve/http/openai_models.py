@@ -4,21 +4,42 @@ shared by completions and chat live in `SamplingFields`; `sampling.params_of` tu
 one SamplingParams."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 MAX_LOGPROBS = 20
 
 
-class StreamOptions(BaseModel):
+def _takes_none(annotation: Any) -> bool:
+    return annotation is None or (get_origin(annotation) in (Union, types.UnionType)
+                                  and type(None) in get_args(annotation))
+
+
+class OpenAIBody(BaseModel):
+    """A request body part as OpenAI's clients send it: `null` for a field that is not nullable
+    here means its default, as OpenAI's API and vLLM take it (clients that send every field, unset
+    ones as null, are served). A required field given as null is still missing."""
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = {f.alias or name: f for name, f in cls.model_fields.items()}
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or _takes_none(fields[key].annotation)}
+
+
+class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(OpenAIBody):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: str = "response"
     description: str | None = None
@@ -26,15 +47,13 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(OpenAIBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(OpenAIBody):
     """Fields both routes take: OpenAI's, then the vLLM / SGLang extras."""
-    model_config = ConfigDict(extra="ignore")
     model: str
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
@@ -42,7 +61,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # any 64-bit seed, as OpenAI's
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -59,6 +78,11 @@ class SamplingFields(BaseModel):
     ebnf: str | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | str | None = None
+    # vLLM's names for the same constraints (one constraint per request)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
     skip_special_tokens: bool | None = None
     # scheduling (vLLM's and SGLang's `priority`; stemma's latency targets)
     priority: int | None = Field(default=None, ge=-2**31, lt=2**31)
@@ -78,14 +102,12 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=128)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(OpenAIBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -99,6 +121,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # tool definitions reach the chat template; stemma parses no tool calls (chat.check_tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class GenerateRequest(BaseModel):

@@ -13,6 +13,15 @@ OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
           "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "skip_special_tokens",
           "priority", "ttft_slo_ms", "itl_slo_ms")
+# vLLM's constraint fields -> the SamplingParams field each becomes
+GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "regex"),
+          ("guided_grammar", "grammar"))
+REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices` (vLLM's guided_choice)."""
+    return "|".join("".join("\\" + c if c in REGEX_SPECIAL else c for c in choice) for choice in choices)
 
 
 def _constraint(req: SamplingFields) -> dict[str, Any]:
@@ -30,15 +39,24 @@ def _constraint(req: SamplingFields) -> dict[str, Any]:
     grammar = req.ebnf if req.ebnf is not None else req.grammar
     if grammar is not None:
         out["grammar"] = grammar
+    for name, field in GUIDED:
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if out or req.regex is not None:
+            raise bad_field(name, f"{name} cannot be combined with another constraint "
+                                  "(response_format, json_schema, regex, grammar or guided_*)")
+        out[field] = choice_regex(value) if name == "guided_choice" else value
     return out
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in (bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise bad_field("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
-        out[int(key)] = value
+        try:
+            out[int(key)] = value  # ids past the vocabulary or below 0 are SamplingParams' to refuse
+        except ValueError:  # "1.5", "--5", "²", or past int()'s digit limit
+            raise bad_field("logit_bias", f"logit_bias keys must be token ids, got {key[:40]!r}") from None
     return out
 
 
@@ -50,6 +68,8 @@ def params_of(req: SamplingFields, max_new_tokens: int, **more: Any) -> Sampling
                   logit_bias=_logit_bias(req.logit_bias), **_constraint(req))
     if req.min_tokens is not None:
         fields["min_new_tokens"] = req.min_tokens
+    if req.seed is not None:
+        fields["seed"] = req.seed % 2**63  # SamplingParams' seeds are in [0, 2**63)
     fields.update(more)
     try:
         return SamplingParams(**fields)
