@@ -67,9 +67,16 @@ def test_stop_string_across_tokens_is_trimmed(engine):
 
 
 def test_stop_token_ids(engine):
+    """The stop token ends the ids; its text is left out (as vLLM and SGLang leave it)."""
     full = engine.generate("ka lo mi", GREEDY)
-    out = engine.generate("ka lo mi", GREEDY.replace(stop_token_ids=[full.token_ids[2]]))
+    stop = full.token_ids[2]
+    assert stop not in full.token_ids[:2]
+    params = GREEDY.replace(stop_token_ids=[stop])
+    out = engine.generate("ka lo mi", params)
     assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:3]
+    shown = engine.generate("ka lo mi", GREEDY.replace(max_new_tokens=2)).text
+    assert out.text == shown != engine.generate("ka lo mi", GREEDY.replace(max_new_tokens=3)).text
+    assert "".join(engine.stream("ka lo mi", params)) == shown
 
 
 def test_logprobs_match_a_full_forward(engine):

@@ -375,6 +375,18 @@ def test_a_streamed_echo_with_logprobs_reads_its_prompt_from_the_cache(client):
     assert again.prompt_tokens_details.cached_tokens >= again.prompt_tokens - 1
 
 
+def test_a_stop_token_s_text_is_left_out(client, engine):
+    ids = engine.tokenizer(PROMPT).input_ids
+    third = engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)).token_ids[2]
+    two = client.completions.create(model="tiny", prompt=PROMPT, **greedy(2)).choices[0].text
+    out = client.completions.create(model="tiny", prompt=PROMPT, **greedy(8, stop_token_ids=[third]))
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 3
+    assert out.choices[0].text == two
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                       **greedy(8, stop_token_ids=[third]))
+    assert "".join(c.choices[0].text for c in chunks) == two
+
+
 def test_chat_ignore_eos_runs_past_the_turn_s_end():
     from stemma.lang.chat_template import PLAIN
     from stemma.serve.http.chat import stops_of

@@ -320,7 +320,8 @@ class Engine:
             return req.stop_tracker.text
         if self.tokenizer is None:
             return ""
-        stream = TextStream(self.tokenizer, (), req.params.skip_special_tokens, req.input_ids)
+        stream = TextStream(self.tokenizer, (), req.params.skip_special_tokens, req.input_ids,
+                            req.params.stop_token_ids)
         return stream.push(req.output_ids) + stream.finish()  # as the stream decodes it
 
     # ---- cache and stats ----

@@ -97,21 +97,27 @@ class StopTextTracker:
 
 
 class TextStream:
-    """Token ids in, streamable text out: incremental detokenization plus stop-string trimming."""
+    """Token ids in, streamable text out: incremental detokenization plus stop-string trimming.
+    The text of `stop_ids` is left out, as vLLM and SGLang leave it: a request ends at its stop
+    token (the sampler bans them until min_new_tokens), so it is the output's last token."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: Sequence[str] = (),
-                 skip_special_tokens: bool = True, context: Sequence[int] = ()):
+                 skip_special_tokens: bool = True, context: Sequence[int] = (),
+                 stop_ids: Sequence[int] = ()):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context)
         self.stops = StopTextTracker(stops)
+        self.stop_ids = frozenset(stop_ids)
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
            context: Sequence[int]) -> TextStream:
-        """The stream of a request's output text: its stop strings and special-token rule, with
-        the prompt `context` before the first token."""
-        return cls(tokenizer, params.stop, params.skip_special_tokens, context)
+        """The stream of a request's output text: its stop strings, stop token ids and
+        special-token rule, with the prompt `context` before the first token."""
+        return cls(tokenizer, params.stop, params.skip_special_tokens, context, params.stop_token_ids)
 
     def push(self, token_ids: Sequence[int]) -> str:
+        if self.stop_ids:
+            token_ids = [t for t in token_ids if t not in self.stop_ids]
         return self.stops.add(self.detok.push(token_ids))
 
     def finish(self) -> str:
