@@ -25,6 +25,11 @@ PROMPTS = [[5, 9, 14, 3], list(range(3, 40)), [7] * 12 + [20, 21, 22], [60, 2, 3
 LONG = [3 + (7 * i) % 90 for i in range(4200)]  # decodes past 4,096 keys
 
 
+# a test about threads, not the model, runs on gemma3 only with -m slow (19 s of the suite)
+LLAMA_BY_DEFAULT = pytest.mark.parametrize(
+    "folder", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)], indirect=True)
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def folder(request, tmp_path_factory):
     return str(build_tiny(request.param, tmp_path_factory.mktemp(f"{request.param}_compiled")))
@@ -138,6 +143,7 @@ def test_a_norm_weight_changed_in_place_reaches_the_graph(folder):
     engine.check_pool_whole()
 
 
+@LLAMA_BY_DEFAULT
 def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     monkeypatch.setenv("STEMMA_COMPILE", "1")
     engine = make(folder, compile_decode="auto")

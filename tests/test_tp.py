@@ -22,6 +22,11 @@ from tests.tiny_models import build_tiny
 LOGIT_ATOL = 5e-5
 
 
+# what the model's shape does not change (serving, workers, tp=4) runs on gemma3 only with -m slow
+LLAMA_BY_DEFAULT = pytest.mark.parametrize(
+    "folder", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)], indirect=True)
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def folder(request, tmp_path_factory):
     return str(build_tiny(request.param, tmp_path_factory.mktemp(f"tp_{request.param}")))
@@ -53,6 +58,7 @@ def test_logits_match_tp1(folder):
     finish_clean(two)
 
 
+@LLAMA_BY_DEFAULT
 def test_fewer_kv_heads_than_ranks_are_replicated(folder):
     """tp=4 over 2 KV heads: each rank holds one query head and the KV head it reads."""
     four = make(folder, tp=4)
@@ -90,6 +96,7 @@ def test_int8_stores_split_the_same_way(folder):
     finish_clean(two)
 
 
+@LLAMA_BY_DEFAULT
 def test_workers_hold_a_slice_and_stop_with_their_engine(folder):
     engine = make(folder, tp=2)
     spec = engine.loaded.spec
@@ -118,6 +125,7 @@ def test_a_model_that_does_not_split_is_refused(folder):
         make(folder, tp=0)
 
 
+@LLAMA_BY_DEFAULT
 def test_served_at_tp2(folder, reference):
     with stemma.Runtime(folder, tp=2, dtype="float32", attention_backend="torch", speculative="none",
                         kv_pool_tokens=2048) as rt:
