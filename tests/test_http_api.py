@@ -313,6 +313,23 @@ def test_errors_are_openai_error_objects(server):
     assert http(server, "POST", "/v1/completions", json=ok).status_code == 200  # still serving
 
 
+def test_a_stream_the_engine_refuses_gets_its_status(server, client):
+    """As a vLLM server answers: the 400 of a refused request, not a 200 and then an error event."""
+    bad = {"max_tokens": 4, "stream": True, "stop_token_ids": [10 ** 9]}  # outside the vocabulary
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        error = assert_error(http(server, "POST", path, json={"model": "tiny", **body, **bad}), 400)
+        assert "stop_token_ids" in error["message"]
+    native = http(server, "POST", "/generate", json={"input_ids": [5, 6], "stream": True,
+                                                     "sampling_params": {"stop_token_ids": [10 ** 9]}})
+    assert native.status_code == 400 and "stop_token_ids" in native.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(model="tiny", prompt=PROMPT, stream=True, max_tokens=4,
+                                  extra_body={"stop_token_ids": [10 ** 9]})
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True, **greedy(4)))
+    assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 1  # a good stream streams
+
+
 def test_null_means_the_default(server):
     """Clients that send every field, unset ones as null, are served as OpenAI and vLLM serve
     them; a null max_tokens keeps its meaning (as long as the context allows)."""

@@ -42,6 +42,7 @@ class Run:
     params: SamplingParams
     stream: bool
     rids: dict[str, int] = field(default_factory=dict)   # rid -> prompt index
+    early: list[P.Message] = field(default_factory=list)  # replies read before the stream began
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: secrets.token_hex(12))
 
@@ -86,15 +87,21 @@ async def replies(run: Run) -> AsyncIterator[P.TokenChunk | P.Finished]:
     raises ApiError (the peer closes, which aborts the others)."""
     left = run.choices
     while left:
-        msg = await run.peer.get()
-        if isinstance(msg, P.ErrorMsg):
-            raise from_server(msg)
+        msg = run.early.pop(0) if run.early else await run.peer.get()
+        _raise_for(run, msg)
         if isinstance(msg, P.Finished):
             left -= 1
-            if msg.finish_reason == "error":  # its constraint failed to build
-                raise bad_field(_constraint_field(run.params), msg.meta.get("error", "the request failed"))
         if isinstance(msg, (P.TokenChunk, P.Finished)):
             yield msg
+
+
+def _raise_for(run: Run, msg: P.Message) -> None:
+    """The ApiError of an error reply: the engine refused a request, or its constraint failed to
+    build."""
+    if isinstance(msg, P.ErrorMsg):
+        raise from_server(msg)
+    if isinstance(msg, P.Finished) and msg.finish_reason == "error":
+        raise bad_field(_constraint_field(run.params), msg.meta.get("error", "the request failed"))
 
 
 def _constraint_field(params: SamplingParams) -> str:
@@ -115,8 +122,18 @@ async def finished(run: Run) -> list[P.Finished]:
 async def respond(request: Request, run: Run, stream: Callable[[], AsyncIterator[str]],
                   body: Callable[[list[P.Finished]], Any]):
     """The HTTP response of `run`: SSE from `stream()` when it streams, else JSON of `body(outs)`
-    once every choice finished (aborted if the client leaves first)."""
+    once every choice finished (aborted if the client leaves first). A stream begins with its
+    first reply, so that a request the engine refuses (past a limit, a token id outside the
+    vocabulary, a bad constraint) gets its 4xx status, as a vLLM server answers it, not an error
+    event after a 200."""
     if run.stream:
+        try:
+            first = await unless_disconnected(request, run.peer.get())
+            run.early.append(first)
+            _raise_for(run, first)
+        except BaseException:
+            run.peer.close()
+            raise
         return StreamingResponse(stream(), media_type="text/event-stream")
     with run.peer:
         outs = await unless_disconnected(request, finished(run))
