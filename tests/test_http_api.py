@@ -304,10 +304,15 @@ def test_errors_are_openai_error_objects(server):
     assert_error(http(server, "POST", "/v1/chat/completions", json={**chat, "top_logprobs": 2}), 400,
                  "top_logprobs")  # as OpenAI: top_logprobs needs logprobs: true
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"},
-                   {"tool_choice": {"type": "function", "function": {"name": "f"}}}):
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "g"}}},
+                   {"tool_choice": {"type": "function", "function": ["f"]}}, {"tool_choice": "any"},
+                   {"tool_choice": "required", "response_format": {"type": "json_object"}}):
         assert_error(http(server, "POST", "/v1/chat/completions", json={**chat, "tools": tools, **choice}),
-                     400, "tool_choice")  # no tool-call parsing: refused, not silently ignored
+                     400, "tool_choice")  # "auto" needs a tool-call parser: refused, not silently ignored
+    assert_error(http(server, "POST", "/v1/chat/completions", json={**chat, "tool_choice": "required"}),
+                 400, "tool_choice")
+    assert_error(http(server, "POST", "/v1/chat/completions", json={**chat, "tools": [{"type": "function"}],
+                                                                   "tool_choice": "required"}), 400, "tools[0]")
     assert http(server, "POST", "/v1/chat/completions",
                 json={**chat, "tools": tools, "tool_choice": "none"}).status_code == 200
     assert http(server, "POST", "/v1/completions", json=ok).status_code == 200  # still serving
@@ -402,6 +407,72 @@ def test_a_stop_token_s_text_is_left_out(client, engine):
     chunks = client.completions.create(model="tiny", prompt=PROMPT, stream=True,
                                        **greedy(8, stop_token_ids=[third]))
     assert "".join(c.choices[0].text for c in chunks) == two
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+SEARCH = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 12}},
+          "required": ["query"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "search", "description": "the web", "parameters": SEARCH}}]
+ASK = [{"role": "user", "content": "the weather in Paris?"}]
+
+
+def test_a_named_tool_choice_returns_its_call(client):
+    for seed in range(2):
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60,
+                                             temperature=0.8, seed=seed,
+                                             tool_choice={"type": "function", "function": {"name": "weather"}})
+        message = out.choices[0].message
+        (call,) = message.tool_calls
+        assert message.content is None and call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60,
+                                                 temperature=0, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "search"}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    (delta,) = deltas
+    (call,) = delta.tool_calls
+    assert call.index == 0 and call.function.name == "search"
+    jsonschema.validate(json.loads(call.function.arguments), SEARCH)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_required_tool_choice_returns_calls_of_the_tools(client):
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120,
+                                             temperature=0.9, seed=seed, tool_choice="required")
+        calls = out.choices[0].message.tool_calls
+        assert calls, out.choices[0].message
+        for call in calls:
+            schema = {"weather": WEATHER, "search": SEARCH}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+    cut = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=3,
+                                         temperature=0, tool_choice="required").choices[0]
+    assert cut.finish_reason == "length" and cut.message.tool_calls is None and cut.message.content
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather",
+                                                          "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    after = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=4, temperature=0)
+    assert after.choices[0].message.content is not None
+
+
+def test_tool_turns_reach_the_template_as_templates_take_them():
+    """Arguments as objects (vLLM hands them so: templates write them with tojson), the tool
+    turn's call id kept."""
+    from stemma.serve.http.chat import as_dicts
+    from stemma.serve.http.openai_models import ChatCompletionRequest
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": [1, 2]}'}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    turns = as_dicts(ChatCompletionRequest(model="tiny", messages=history).messages)
+    assert [c["function"]["arguments"] for c in turns[0]["tool_calls"]] == [{"x": [1, 2]}, "not json"]
+    assert turns[1] == {"role": "tool", "content": "ok", "tool_call_id": "c1"}
 
 
 def test_chat_ignore_eos_runs_past_the_turn_s_end():

@@ -3,10 +3,12 @@ model without one, the frontend's documented plain fallback (stemma.lang.chat_te
 turns end at the next `User:` / `System:` line; then as completions, with chat's shapes.
 
 Message content is a string or a list of text parts (joined). `developer` is taken as `system`.
+Tools and forced tool calls: stemma.serve.http.tools.
 """
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -17,8 +19,9 @@ from stemma.lang.codec import HFCodec
 from stemma.serve.http import generation as G
 from stemma.serve.http.errors import ApiError, bad_field
 from stemma.serve.http.openai_models import ChatCompletionRequest, ChatMessage
-from stemma.serve.http.sampling import check_model, params_of
+from stemma.serve.http.sampling import check_model, has_constraint, params_of
 from stemma.serve.http.state import HttpState
+from stemma.serve.http.tools import ForcedTools, forced_tools
 
 
 def _content(msg: ChatMessage) -> str:
@@ -29,9 +32,29 @@ def _content(msg: ChatMessage) -> str:
     return "".join(part.text for part in msg.content)
 
 
-def as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": "system" if m.role == "developer" else m.role, "content": _content(m)}
-            for m in messages]
+def as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them: with an assistant turn's tool calls (their
+    arguments as objects, as vLLM hands them to templates) and a tool turn's call id."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content(m)}
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 @functools.lru_cache(maxsize=4)
@@ -39,18 +62,7 @@ def _template(tokenizer: Any) -> ChatTemplate:
     return for_codec(HFCodec(tokenizer))
 
 
-def check_tools(req: ChatCompletionRequest) -> None:
-    """Tool calls are not parsed here, so only `tool_choice: "none"` is served with tools (the
-    template still shows them): as vLLM without a tool parser, "auto" (the default when tools
-    are given), "required" or a named function is a 400, not a reply that silently ignores them."""
-    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
-    if choice != "none":
-        raise bad_field("tool_choice", f"tool_choice {choice!r} needs tool-call parsing, which this "
-                                       "server does not do; send tool_choice \"none\" (the tools are "
-                                       "then shown to the chat template) or no tools")
-
-
-def render(state: HttpState, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+def render(state: HttpState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
            continue_final: bool = False, tools: list[dict] | None = None) -> tuple[list[int], ChatTemplate]:
     """The prompt's token ids, and the template (its stops end the assistant turn)."""
     tok = state.tokenizer
@@ -88,7 +100,8 @@ def stops_of(req: ChatCompletionRequest, template: ChatTemplate) -> tuple[list[s
     return stops, stop_ids
 
 
-def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], template: ChatTemplate) -> G.Run:
+def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], template: ChatTemplate,
+           forced: ForcedTools | None) -> G.Run:
     if not ids:
         raise bad_field("messages", "the messages render to an empty prompt (no tokens)")
     if req.top_logprobs and not req.logprobs:
@@ -99,6 +112,11 @@ def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], templat
     if req.logprobs:
         extra.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     extra["stop"], extra["stop_token_ids"] = stops_of(req, template)
+    if forced is not None:
+        if has_constraint(req):
+            raise bad_field("tool_choice", "a forced tool call constrains the reply to the tool's "
+                                           "parameters: it takes no response_format, regex or guided_* too")
+        extra["json_schema"] = forced.schema
     params = params_of(req, G.max_tokens_for(state, prompts, requested), **extra)
     return G.start(state, prompts, params, req.stream, call=req.program_call)
 
@@ -123,23 +141,35 @@ def _base(state: HttpState, run: G.Run, kind: str) -> dict:
 
 async def create(state: HttpState, req: ChatCompletionRequest, request: Request):
     check_model(req.model, state.model_names())
-    check_tools(req)
+    forced = forced_tools(req.tools, req.tool_choice)
     ids, template = await G.off_loop(render, state, as_dicts(req.messages), req.add_generation_prompt,
                                      req.continue_final_message, req.tools)
-    run = _start(state, req, ids, template)
+    run = _start(state, req, ids, template, forced)
     want_logprobs = req.logprobs
 
     def body(outs: list[P.Finished]) -> dict:
         choices = [{"index": run.choice(o),
-                    "message": {"role": "assistant", "content": o.text},
+                    "message": _message(o.text, forced),
                     "logprobs": _logprobs(state, o.token_ids, o.logprobs, o.top_logprobs) if want_logprobs else None,
                     "finish_reason": G.finish_reason(o.finish_reason)} for o in outs]
         return {**_base(state, run, "chat.completion"), "choices": choices, "usage": G.usage(run, outs)}
 
-    return await G.respond(request, run, lambda: _stream(state, req, run), body)
+    return await G.respond(request, run, lambda: _stream(state, req, run, forced), body)
 
 
-async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run) -> AsyncIterator[str]:
+def _message(text: str, forced: ForcedTools | None) -> dict[str, Any]:
+    """The assistant message of a reply: its tool calls when a tool call was forced and the reply
+    is whole, else its text."""
+    calls = forced.calls(text) if forced is not None else None
+    if calls is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run,
+                  forced: ForcedTools | None) -> AsyncIterator[str]:
+    """Content deltas as they come; a forced tool call's reply is held until it is whole (its
+    calls parsed) and sent as one `tool_calls` delta."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     want_logprobs = req.logprobs
     base = _base(state, run, "chat.completion.chunk")
@@ -150,6 +180,7 @@ async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run) -> A
                                            "finish_reason": reason}], **extra})
 
     outs: list[P.Finished | None] = [None] * run.choices
+    held = [("", []) for _ in range(run.choices)]  # a forced tool call's text and logprobs so far
     with run.peer:
         try:
             for i in range(run.choices):
@@ -162,9 +193,19 @@ async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run) -> A
                     logprobs = None
                     if want_logprobs and msg.token_ids:
                         logprobs = _logprobs(state, msg.token_ids, msg.logprobs, msg.top_logprobs)
+                    if forced is not None:
+                        text, held_logprobs = held[index]
+                        held[index] = (text + msg.text, held_logprobs + (logprobs or {}).get("content", []))
+                        continue
                     yield chunk(index, {"content": msg.text}, logprobs)
                 else:
                     outs[index] = msg
+                    if forced is not None:
+                        text, held_logprobs = held[index]
+                        message = _message(text, forced)
+                        delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
+                                 if "tool_calls" in message else {"content": text})
+                        yield chunk(index, delta, {"content": held_logprobs} if want_logprobs else None)
                     yield chunk(index, {}, None, G.finish_reason(msg.finish_reason))
             if include_usage:
                 yield G.sse({**base, "choices": [], "usage": G.usage(run, outs)})

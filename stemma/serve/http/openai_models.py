@@ -111,6 +111,8 @@ class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant turn's calls (OpenAI's shape)
+    tool_call_id: str | None = None                  # a tool turn's answer to one of them
 
 
 class ChatCompletionRequest(SamplingFields):

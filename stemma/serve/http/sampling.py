@@ -60,6 +60,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+def has_constraint(req: SamplingFields) -> bool:
+    """Whether the request constrains its output (response_format, regex, guided_*, ...)."""
+    return req.regex is not None or bool(_constraint(req))
+
+
 def params_of(req: SamplingFields, max_new_tokens: int, **more: Any) -> SamplingParams:
     """The request's SamplingParams; a bad value is a 400 naming the request's field."""
     fields: dict[str, Any] = {name: getattr(req, name) for name in PASSED
