@@ -414,8 +414,13 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "days"], "additionalProperties": False}
 SEARCH = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 12}},
           "required": ["query"], "additionalProperties": False}
+PLACE = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}}, "required": ["at"],
+         "additionalProperties": False,  # as pydantic writes nested models: "$ref" into "$defs"
+         "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                             "required": ["city"], "additionalProperties": False}}}
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "search", "description": "the web", "parameters": SEARCH}}]
+         {"type": "function", "function": {"name": "search", "description": "the web", "parameters": SEARCH}},
+         {"type": "function", "function": {"name": "place", "parameters": PLACE}}]
 ASK = [{"role": "user", "content": "the weather in Paris?"}]
 
 
@@ -426,6 +431,7 @@ def test_a_named_tool_choice_returns_its_call(client):
                                              tool_choice={"type": "function", "function": {"name": "weather"}})
         message = out.choices[0].message
         (call,) = message.tool_calls
+        assert out.choices[0].finish_reason == "stop"  # a named call ends as a plain reply (vLLM, OpenAI)
         assert message.content is None and call.type == "function" and call.id.startswith("call_")
         assert call.function.name == "weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
@@ -445,10 +451,13 @@ def test_a_required_tool_choice_returns_calls_of_the_tools(client):
         out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120,
                                              temperature=0.9, seed=seed, tool_choice="required")
         calls = out.choices[0].message.tool_calls
-        assert calls, out.choices[0].message
+        assert calls and out.choices[0].finish_reason == "tool_calls", out.choices[0]
         for call in calls:
-            schema = {"weather": WEATHER, "search": SEARCH}[call.function.name]
+            schema = {"weather": WEATHER, "search": SEARCH, "place": PLACE}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), schema)
+    place = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "place"}})
+    jsonschema.validate(json.loads(place.choices[0].message.tool_calls[0].function.arguments), PLACE)
     cut = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=3,
                                          temperature=0, tool_choice="required").choices[0]
     assert cut.finish_reason == "length" and cut.message.tool_calls is None and cut.message.content
@@ -466,13 +475,30 @@ def test_tool_turns_reach_the_template_as_templates_take_them():
     turn's call id kept."""
     from stemma.serve.http.chat import as_dicts
     from stemma.serve.http.openai_models import ChatCompletionRequest
+    deep = "[" * 5000  # json.loads raises RecursionError, not ValueError: it was a 500
     history = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": [1, 2]}'}},
-        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+        {"id": "c3", "type": "function", "function": {"name": "h", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok", "name": "f"}]
     turns = as_dicts(ChatCompletionRequest(model="tiny", messages=history).messages)
-    assert [c["function"]["arguments"] for c in turns[0]["tool_calls"]] == [{"x": [1, 2]}, "not json"]
-    assert turns[1] == {"role": "tool", "content": "ok", "tool_call_id": "c1"}
+    assert [c["function"]["arguments"] for c in turns[0]["tool_calls"]] == [{"x": [1, 2]}, "not json", deep]
+    assert turns[1] == {"role": "tool", "content": "ok", "tool_call_id": "c1", "name": "f"}
+
+
+def test_required_calls_are_strict_json_or_text():
+    from stemma.serve.http.errors import ApiError
+    from stemma.serve.http.tools import forced_tools
+    required = forced_tools(TOOLS, "required")
+    assert set(required.schema["$defs"]) == {"Place"}  # hoisted: "#/$defs/Place" resolves at the root
+    (call,) = required.calls('[{"name": "search", "parameters": {"query": "x"}}]')
+    assert json.loads(call["function"]["arguments"]) == {"query": "x"}
+    assert required.calls('[{"name": "f", "parameters": {"x": 1e999}}]') is None  # inf is not JSON
+    assert required.calls("[" * 5000) is None
+    other = {**PLACE, "$defs": {"Place": {"type": "string"}}}
+    with pytest.raises(ApiError, match="define \\$defs/Place differently"):
+        forced_tools(TOOLS + [{"type": "function", "function": {"name": "other", "parameters": other}}],
+                     "required")
 
 
 def test_chat_ignore_eos_runs_past_the_turn_s_end():

@@ -17,6 +17,7 @@ beside the matmuls (README, Programs).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from stemma.engine.engine import Engine
     from stemma.engine.request import Request
 
+logger = logging.getLogger(__name__)
 
 SETTLE_SLICE_S = 0.002
 SETTLE_S = 0.01
@@ -100,10 +102,14 @@ class EngineBackend(Backend):
                 stepped = self.engine.step()
             except Exception as exc:  # an engine failure fails every request waiting on it
                 waiters = list(self._waiting.values())
-                self._abort(waiters)  # and ends them: nobody will read what they would compute
                 for waiter in waiters:
                     if not waiter.future.done():
                         waiter.future.set_exception(exc)
+                try:
+                    self._abort(waiters)  # and ends them: nobody will read what they would compute
+                except Exception:
+                    logger.exception("aborting the requests of a failed step failed too")
+                    self._waiting.clear()
                 return
             woken = False
             for waiter in list(self._waiting.values()):

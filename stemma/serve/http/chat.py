@@ -42,6 +42,8 @@ def as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
         out.append(msg)
     return out
 
@@ -52,7 +54,7 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         return call
     return {**call, "function": {**function, "arguments": arguments}}
 
@@ -148,10 +150,13 @@ async def create(state: HttpState, req: ChatCompletionRequest, request: Request)
     want_logprobs = req.logprobs
 
     def body(outs: list[P.Finished]) -> dict:
-        choices = [{"index": run.choice(o),
-                    "message": _message(o.text, forced),
-                    "logprobs": _logprobs(state, o.token_ids, o.logprobs, o.top_logprobs) if want_logprobs else None,
-                    "finish_reason": G.finish_reason(o.finish_reason)} for o in outs]
+        choices = []
+        for o in outs:
+            message = _message(o.text, forced)
+            choices.append({"index": run.choice(o), "message": message,
+                            "logprobs": _logprobs(state, o.token_ids, o.logprobs, o.top_logprobs)
+                            if want_logprobs else None,
+                            "finish_reason": _finish_reason(o.finish_reason, message, forced)})
         return {**_base(state, run, "chat.completion"), "choices": choices, "usage": G.usage(run, outs)}
 
     return await G.respond(request, run, lambda: _stream(state, req, run, forced), body)
@@ -164,6 +169,12 @@ def _message(text: str, forced: ForcedTools | None) -> dict[str, Any]:
     if calls is None:
         return {"role": "assistant", "content": text}
     return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _finish_reason(reason: str | None, message: dict[str, Any], forced: ForcedTools | None) -> str | None:
+    if forced is not None:
+        reason = forced.finish_reason(reason, message.get("tool_calls"))
+    return G.finish_reason(reason)
 
 
 async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run,
@@ -200,13 +211,14 @@ async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run,
                     yield chunk(index, {"content": msg.text}, logprobs)
                 else:
                     outs[index] = msg
+                    message: dict[str, Any] = {}
                     if forced is not None:
                         text, held_logprobs = held[index]
                         message = _message(text, forced)
                         delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
                                  if "tool_calls" in message else {"content": text})
                         yield chunk(index, delta, {"content": held_logprobs} if want_logprobs else None)
-                    yield chunk(index, {}, None, G.finish_reason(msg.finish_reason))
+                    yield chunk(index, {}, None, _finish_reason(msg.finish_reason, message, forced))
             if include_usage:
                 yield G.sse({**base, "choices": [], "usage": G.usage(run, outs)})
         except ApiError as exc:

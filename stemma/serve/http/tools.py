@@ -14,6 +14,7 @@ from typing import Any
 from stemma.serve.http.errors import bad_field
 
 FREE_OBJECT = {"type": "object"}
+DEFINITIONS = ("$defs", "definitions")  # where JSON schemas keep what "$ref" names
 
 
 @dataclass(frozen=True)
@@ -27,14 +28,19 @@ class ForcedTools:
         max_tokens, so the JSON does not parse)."""
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if self.name is not None:
             return [call(self.name, text)]
-        try:
-            return [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
-        except (KeyError, TypeError):  # the schema makes this a list of calls; anything else is text
+        try:  # strict JSON out: a number the schema allows may parse to inf (1e999): text then
+            return [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False, allow_nan=False))
+                    for item in value]
+        except (KeyError, TypeError, ValueError):  # the schema makes this a list of calls
             return None
+
+    def finish_reason(self, reason: str | None, calls: list | None) -> str | None:
+        """As vLLM: "tool_calls" when "required" made whole calls; a named call ends "stop"."""
+        return "tool_calls" if self.name is None and calls and reason == "stop" else reason
 
 
 def call(name: str, arguments: str) -> dict[str, Any]:
@@ -58,6 +64,25 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _required(functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The schema of a list of calls of `functions`. Each tool's parameters sit inside it, so the
+    definitions their "#/$defs/..." references name move to its root (a 400 when two tools define
+    one name differently)."""
+    shared: dict[str, dict[str, Any]] = {}
+    calls = []
+    for name, parameters in functions.items():
+        for key in DEFINITIONS:
+            defined = parameters.get(key)
+            for def_name, schema in (defined.items() if isinstance(defined, dict) else ()):
+                if shared.setdefault(key, {}).setdefault(def_name, schema) != schema:
+                    raise bad_field("tools", f"two tools define {key}/{def_name} differently; with "
+                                             "tool_choice \"required\" their definitions are shared")
+        inner = {k: v for k, v in parameters.items() if k not in DEFINITIONS}
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": inner},
+                      "required": ["name", "parameters"]})
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **shared}
+
+
 def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ForcedTools | None:
     """What tool_choice forces (None: nothing, the reply is text); a 400 for what cannot be served."""
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
@@ -71,9 +96,7 @@ def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str
         raise bad_field("tool_choice", f"tool_choice {choice!r} needs tools")
     functions = _functions(tools)
     if choice == "required":
-        return ForcedTools({"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
-             "required": ["name", "parameters"]} for name, parameters in functions.items()]}}, None)
+        return ForcedTools(_required(functions), None)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or name not in functions:
