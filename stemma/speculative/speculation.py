@@ -151,28 +151,24 @@ class Speculation:
         which a compiled graph may serve (a mixed step runs eager either way).
         A constrained request speculates only under a `guard`: its drafts stop at the first token
         its constraint forbids, and where the constraint forces text, that text is its draft."""
-        reqs, limits = [], []
+        reqs, limits, forced = [], [], {}  # forced: position in reqs -> the text its constraint forces
         for i in indices:
             req = plan.reqs[i]
             k = min(self.max_tokens, req.remaining_new_tokens - 1, self.max_context - req.kv_len - 2)
             constrained = req.params.is_constrained
             if k > 0 and (not constrained or (guard is not None and req.constraint is not None)):
+                if req.constraint is not None:
+                    try:
+                        tokens = guard.forced_drafts(req, k)
+                    except Exception as exc:
+                        plan.faults[i] = exc  # a failing request drafts nothing
+                        continue
+                    if tokens:
+                        forced[len(reqs)] = tokens
                 if req.spec_state is None:
                     req.spec_state = SpecState()
                 reqs.append((i, req))
                 limits.append(k)
-        forced = {}
-        for j, ((i, req), k) in enumerate(zip(reqs, limits)):
-            if req.constraint is not None:
-                try:
-                    if tokens := guard.forced_drafts(req, k):
-                        forced[j] = tokens
-                except Exception as exc:
-                    plan.faults[i] = exc
-        if plan.faults:  # a failing request drafts nothing
-            kept = [j for j, (i, _) in enumerate(reqs) if i not in plan.faults]
-            forced = {kept.index(j): t for j, t in forced.items() if j in kept}
-            reqs, limits = [reqs[j] for j in kept], [limits[j] for j in kept]
         if not reqs:
             return
         if self.drafter.free:

@@ -123,7 +123,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # tool definitions reach the chat template; stemma parses no tool calls (chat.check_tools)
+    # tool definitions reach the chat template; what tool_choice forces: stemma.serve.http.tools
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
