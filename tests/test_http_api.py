@@ -315,6 +315,13 @@ def test_errors_are_openai_error_objects(server):
                                                                    "tool_choice": "required"}), 400, "tools[0]")
     assert http(server, "POST", "/v1/chat/completions",
                 json={**chat, "tools": tools, "tool_choice": "none"}).status_code == 200
+    dangling = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nope"}}}}}]
+    for stream in (False, True):  # the forced call's schema does not build: a 400 with the reason
+        error = assert_error(http(server, "POST", "/v1/chat/completions",
+                                  json={**chat, "tools": dangling, "stream": stream,
+                                        "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400)
+        assert "Invalid reference path" in error["message"]
     assert http(server, "POST", "/v1/completions", json=ok).status_code == 200  # still serving
 
 
@@ -640,3 +647,45 @@ def test_server_without_key_binds_loopback_and_stops_cleanly(folder):
         assert listening_addresses(served.port) == {"0100007F"}  # 127.0.0.1 only
     finally:
         assert served.stop() == 0
+
+
+def test_tokenize_renders_messages_as_chat_does(folder):
+    """`/tokenize` with messages counts what chat would send: the tools and a continued final
+    message rendered by the template too (tools were dropped, so a template that writes them
+    counted fewer tokens than chat's prompt)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from stemma.serve.http import native
+    from stemma.serve.http.chat import render
+    from stemma.serve.http.openai_models import TokenizeRequest
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+                         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    state = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(context_length=4096),
+                            check_ready=lambda: None, model_names=lambda: ["tiny"])
+    plain = native.tokenize(state, TokenizeRequest(messages=ASK))
+    with_tools = native.tokenize(state, TokenizeRequest(messages=ASK, tools=TOOLS))
+    assert with_tools["tokens"] == render(state, ASK, tools=TOOLS)[0]
+    assert with_tools["count"] > plain["count"] + 10
+    reply = ASK + [{"role": "assistant", "content": "It is"}]
+    continued = native.tokenize(state, TokenizeRequest(messages=reply, continue_final_message=True,
+                                                       add_generation_prompt=False))
+    assert continued["tokens"] == render(state, reply, False, True)[0]
+
+
+def test_a_constraint_that_fails_later_is_reported_under_the_field_that_asked_for_it():
+    """A constraint whose compile outlasts the engine's check fails its request later: the
+    error names the field the user set (tool_choice for a forced call, not response_format)."""
+    from stemma.protocol import messages as P
+    from stemma.serve.http.errors import ApiError
+    from stemma.serve.http.generation import Prompt, Run, _raise_for
+    failed = P.Finished(rid="r", token_ids=[], finish_reason="error", meta={"error": "too complex"})
+    params = SamplingParams(json_schema=json.dumps(WEATHER))
+    for constraint, field in ((None, "response_format"), ("tool_choice", "tool_choice")):
+        run = Run(peer=None, prompts=[Prompt([1])], params=params, stream=False, constraint=constraint)
+        with pytest.raises(ApiError) as caught:
+            _raise_for(run, failed)
+        assert (caught.value.param, caught.value.message) == (field, "too complex")

@@ -120,7 +120,8 @@ def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], templat
                                            "parameters: it takes no response_format, regex or guided_* too")
         extra["json_schema"] = forced.schema
     params = params_of(req, G.max_tokens_for(state, prompts, requested), **extra)
-    return G.start(state, prompts, params, req.stream, call=req.program_call)
+    return G.start(state, prompts, params, req.stream, call=req.program_call,
+                   constraint=None if forced is None else "tool_choice")
 
 
 def _logprobs(state: HttpState, ids: list[int], logprobs, tops) -> dict:

@@ -43,6 +43,7 @@ class Run:
     stream: bool
     rids: dict[str, int] = field(default_factory=dict)   # rid -> prompt index
     early: list[P.Message] = field(default_factory=list)  # replies read before the stream began
+    constraint: str | None = None   # the request field a failed constraint is reported under
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: secrets.token_hex(12))
 
@@ -65,7 +66,10 @@ def program_call(data: dict[str, Any] | None) -> ProgramCall | None:
 
 
 def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, stream: bool,
-          program: str | None = None, call: dict[str, Any] | None = None, salt: str | None = None) -> Run:
+          program: str | None = None, call: dict[str, Any] | None = None, salt: str | None = None,
+          constraint: str | None = None) -> Run:
+    """Sends the run's requests. `constraint`: the field a constraint that fails to build is
+    reported under, when not the one `params` names (a forced tool call's schema: tool_choice)."""
     checked = program_call(call)
     limit = state.engine.context_length
     for i, prompt in enumerate(prompts):
@@ -73,7 +77,7 @@ def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, strea
             raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
                             f"the prompt has {len(prompt.ids)} tokens; with max_tokens "
                             f"{params.max_new_tokens} it does not fit the context of {limit} tokens")
-    run = Run(state.open(), prompts, params, stream)
+    run = Run(state.open(), prompts, params, stream, constraint=constraint)
     for i, prompt in enumerate(prompts):
         rid = state.new_rid()
         run.rids[rid] = i
@@ -101,7 +105,7 @@ def _raise_for(run: Run, msg: P.Message) -> None:
     if isinstance(msg, P.ErrorMsg):
         raise from_server(msg)
     if isinstance(msg, P.Finished) and msg.finish_reason == "error":
-        raise bad_field(_constraint_field(run.params), msg.meta.get("error", "the request failed"))
+        raise bad_field(run.constraint or _constraint_field(run.params), msg.meta.get("error", "the request failed"))
 
 
 def _constraint_field(params: SamplingParams) -> str:

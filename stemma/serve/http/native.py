@@ -102,7 +102,8 @@ def tokenize(state: HttpState, req: TokenizeRequest) -> dict[str, Any]:
     if (req.prompt is None) == (req.messages is None):
         raise bad_field("prompt", "give exactly one of prompt and messages")
     if req.messages is not None:
-        ids, _ = render(state, as_dicts(req.messages), req.add_generation_prompt)
+        ids, _ = render(state, as_dicts(req.messages), req.add_generation_prompt,
+                        req.continue_final_message, req.tools)
     elif state.tokenizer is None:
         raise bad_field("prompt", "this model has no tokenizer")
     else:

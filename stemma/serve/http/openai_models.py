@@ -154,6 +154,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None   # with messages: rendered as chat renders them
 
 
 class DetokenizeRequest(BaseModel):
