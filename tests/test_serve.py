@@ -157,9 +157,9 @@ def test_concurrent_streams_match_the_engine(server, reference):
         streams = [asyncio.ensure_future(stream_all(c, p, sp)) for c, p, sp in zip(clients, prompts, params)]
         aborts = [asyncio.ensure_future(abort_midway(c, p)) for c, p in zip(clients[32:40], abort_prompts)]
         await asyncio.sleep(0.05)
-        for proc in doomed:  # disconnect abruptly, mid-stream
+        for proc in doomed:  # disconnect abruptly, mid-stream, all at once (reaped after)
             proc.kill()
-            await proc.wait()
+        await asyncio.gather(*(proc.wait() for proc in doomed))
         results = await asyncio.gather(*streams)
         aborted = await asyncio.gather(*aborts)
         stats = await wait_idle(clients[0])
