@@ -139,7 +139,8 @@ class SamplingParams:
     frequency_penalty: float = doc(0.0, "OpenAI semantics, over output tokens; in [-2, 2]")
     presence_penalty: float = doc(0.0, "OpenAI semantics, over output tokens; in [-2, 2]")
     stop: tuple[str, ...] | str | list[str] | None = doc(
-        (), "stop strings, not included in the text; normalized to a tuple of strings")
+        (), "stop strings, left out of the text (see include_stop_str_in_output); normalized to a "
+            "tuple of strings")
     stop_token_ids: tuple[int, ...] = doc((), "token ids that end the output")
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = doc(
         (), "token id -> bias added to its logit (OpenAI semantics, in [-100, 100]); normalized "
@@ -152,6 +153,9 @@ class SamplingParams:
     logprob_start: int | None = doc(None, "absolute prompt position from which prompt logprobs "
                                           "are returned; not given: none are")
     skip_special_tokens: bool = doc(True, "leave special tokens (BOS, EOS, ...) out of the text")
+    include_stop_str_in_output: bool = doc(False, "keep what ended the output (its stop string, stop "
+                                                  "token or EOS) at the end of its text (vLLM's "
+                                                  "field; SGLang's no_stop_trim)")
     regex: str | None = doc(None, "the output must fullmatch this regex")
     json_schema: str | dict | None = doc(None, "the output must be JSON valid under this schema "
                                                "(a dict or its JSON text); normalized to compact "
@@ -193,6 +197,7 @@ class SamplingParams:
         if self.logprob_start is not None:
             _check_int("logprob_start", self.logprob_start, 0)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_text("regex", self.regex)
         object.__setattr__(self, "json_schema", _normalize_schema(self.json_schema))
         _check_text("grammar", self.grammar)

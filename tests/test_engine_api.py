@@ -1,5 +1,7 @@
 """The Engine's public API on a tiny model with a tiny tokenizer: errors, streaming, stops,
 logprobs, stats and the CLI."""
+import json
+
 import pytest
 import torch
 
@@ -77,6 +79,44 @@ def test_stop_token_ids(engine):
     shown = engine.generate("ka lo mi", GREEDY.replace(max_new_tokens=2)).text
     assert out.text == shown != engine.generate("ka lo mi", GREEDY.replace(max_new_tokens=3)).text
     assert "".join(engine.stream("ka lo mi", params)) == shown
+    kept = params.replace(include_stop_str_in_output=True)  # vLLM's: what ended it stays
+    three = engine.generate("ka lo mi", GREEDY.replace(max_new_tokens=3)).text
+    assert engine.generate("ka lo mi", kept).text == three == "".join(engine.stream("ka lo mi", kept))
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(engine):
+    full = engine.generate("ka lo mi", GREEDY)
+    words = full.text.split()
+    stop = f"{words[3]} {words[4]}"  # spans two tokens
+    params = GREEDY.replace(stop=[stop], include_stop_str_in_output=True)
+    out = engine.generate("ka lo mi", params)
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop) + len(stop)]
+    assert "".join(engine.stream("ka lo mi", params)) == out.text
+
+
+def test_the_text_of_eos_is_left_out(folder, tmp_path):
+    """A model whose EOS (generation_config.json's) is a plain token: the output ends at it, and
+    its text is left out, as a stop token's is, unless include_stop_str_in_output; past EOS
+    (ignore_eos) its text stays."""
+    import shutil
+    reference = stemma.Engine(folder, dtype="float32", kv_pool_tokens=512, max_running_requests=2)
+    full = reference.generate("ka lo mi", GREEDY)
+    eos = full.token_ids[2]
+    assert eos not in full.token_ids[:2]
+    two = reference.generate("ka lo mi", GREEDY.replace(max_new_tokens=2)).text
+    three = reference.generate("ka lo mi", GREEDY.replace(max_new_tokens=3)).text
+    assert two != three
+    copy = shutil.copytree(folder, tmp_path / "eos")
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    engine = stemma.Engine(str(copy), dtype="float32", kv_pool_tokens=512, max_running_requests=2)
+    ending = SamplingParams(temperature=0, max_new_tokens=16)
+    out = engine.generate("ka lo mi", ending)
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:3]
+    for params, text in ((ending, two), (ending.replace(skip_special_tokens=False), two),
+                         (ending.replace(include_stop_str_in_output=True), three),
+                         (GREEDY, full.text)):
+        assert engine.generate("ka lo mi", params).text == text == "".join(engine.stream("ka lo mi", params))
 
 
 def test_logprobs_match_a_full_forward(engine):

@@ -414,6 +414,9 @@ def test_a_stop_token_s_text_is_left_out(client, engine):
     chunks = client.completions.create(model="tiny", prompt=PROMPT, stream=True,
                                        **greedy(8, stop_token_ids=[third]))
     assert "".join(c.choices[0].text for c in chunks) == two
+    kept = client.completions.create(model="tiny", prompt=PROMPT,  # vLLM's field
+                                     **greedy(8, stop_token_ids=[third], include_stop_str_in_output=True))
+    assert kept.choices[0].text == client.completions.create(model="tiny", prompt=PROMPT, **greedy(3)).choices[0].text
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},

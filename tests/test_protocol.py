@@ -30,6 +30,7 @@ EXAMPLES = [
                            "cached_tokens": 0}]),
     P.HealthOk(rid="h"),
     P.EngineReady(model="m", context_length=8, vocab_size=96),
+    P.EngineReady(model="m", context_length=8, vocab_size=96, pid=7, eos_token_ids=[1, 95]),
     P.Batch(items=[P.TokenChunk(rid="a", token_ids=[1]), P.Finished(rid="a", token_ids=[1], finish_reason="length"),
                    P.ErrorMsg(rid="b", code=P.BAD_REQUEST, message="bad")]),
 ]

@@ -38,6 +38,7 @@ BAD_VALUES = [
     ("top_logprobs", -1),
     ("logprob_start", -1), ("logprob_start", 0.5),
     ("skip_special_tokens", None),
+    ("include_stop_str_in_output", "yes"),
     ("regex", ""), ("regex", 5),
     ("json_schema", "{not json"), ("json_schema", "[1]"), ("json_schema", 3),
     ("json_schema", {"x": float("nan")}),

@@ -347,3 +347,28 @@ def test_runtime_starts_serves_cancels_and_stops(folder, engine, reference):
         assert stats["generated_tokens"] - before < LONG["max_new_tokens"] // 2
     assert not rt.running
     assert not any(alive(pid) for pid in pids)
+
+
+def test_the_text_of_eos_is_left_out_by_the_gateway(folder, engine, tmp_path):
+    """The engine tells the gateway its EOS ids (EngineReady), so served text leaves out EOS's
+    text as the in-process Engine does; include_stop_str_in_output keeps it."""
+    import json
+    import shutil
+    prompt = [9, 30, 41, 12]
+    full = engine.generate(prompt, SamplingParams(**GREEDY))
+    eos = full.token_ids[2]
+    assert eos not in full.token_ids[:2]
+    two = engine.generate(prompt, SamplingParams(**{**GREEDY, "max_new_tokens": 2})).text
+    three = engine.generate(prompt, SamplingParams(**{**GREEDY, "max_new_tokens": 3})).text
+    assert two != three
+    copy = shutil.copytree(folder, tmp_path / "eos")
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    served = Served(str(copy))
+    try:
+        ending = dict(temperature=0.0, max_new_tokens=16)
+        for params, text in ((ending, two), ({**ending, "include_stop_str_in_output": True}, three)):
+            out = served.client.generate(prompt, params)
+            assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:3]
+            assert out.text == text == "".join(served.client.stream(prompt, params))
+    finally:
+        assert served.stop() == 0

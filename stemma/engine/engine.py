@@ -302,7 +302,7 @@ class Engine:
 
     def text_stream(self, req: Request) -> TextStream:
         """A text stream of req's output, as the gateway would make it."""
-        return TextStream.of(self.tokenizer, req.params, req.input_ids)
+        return TextStream.of(self.tokenizer, req.params, req.input_ids, self.eos_token_ids)
 
     def output(self, req: Request) -> RequestOutput:
         """req's RequestOutput, once finished. A detokenizer fault on its ids makes it an error
@@ -320,8 +320,7 @@ class Engine:
             return req.stop_tracker.text
         if self.tokenizer is None:
             return ""
-        stream = TextStream(self.tokenizer, (), req.params.skip_special_tokens, req.input_ids,
-                            req.params.stop_token_ids)
+        stream = self.text_stream(req)
         return stream.push(req.output_ids) + stream.finish()  # as the stream decodes it
 
     # ---- cache and stats ----

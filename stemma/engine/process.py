@@ -262,7 +262,8 @@ def main(spec_json: str | None = None) -> int:
     outputs = _connect(ctx, zmq.PUSH, spec["outputs"])
     loop = EngineLoop(engine, requests, outputs, cache_events=bool(spec.get("cache_events")))
     loop.send(P.EngineReady(model=str(engine.loaded.source), context_length=engine.runner.max_context,
-                             vocab_size=engine.loaded.spec.vocab_size, pid=os.getpid()))
+                             vocab_size=engine.loaded.spec.vocab_size, pid=os.getpid(),
+                             eos_token_ids=list(engine.eos_token_ids)))
     logger.debug("ready: %s, context length %d", engine.loaded.source, engine.runner.max_context)
     try:
         loop.run(lambda: stop["now"] or parent.orphaned())

@@ -28,7 +28,7 @@ class StopRule:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if p.stop and self.tokenizer is not None:
-            stream = stop_stream(req, self.tokenizer)
+            stream = stop_stream(req, self.tokenizer, self.eos_token_ids)
             stream.push([token])
             if stream.stopped is not None:
                 return "stop"
@@ -37,9 +37,9 @@ class StopRule:
         return None
 
 
-def stop_stream(req: Request, tokenizer: PreTrainedTokenizerBase) -> TextStream:
+def stop_stream(req: Request, tokenizer: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> TextStream:
     """The request's text stream, made on first use (it keeps across retractions)."""
     if req.stop_tracker is None:
-        req.stop_tracker = TextStream.of(tokenizer, req.params, req.input_ids)
+        req.stop_tracker = TextStream.of(tokenizer, req.params, req.input_ids, eos_token_ids)
         req.stop_tracker.push(req.output_ids[:-1])
     return req.stop_tracker

@@ -8,7 +8,8 @@ Between the client and the gateway a message travels as two frames, [api key, bo
 between the gateway and the engine, as the body alone.
 
 Versions: version 2 added the program context (GenerateReq.call, EndProgram); version 3 the
-replicas' cache events (CacheEvents, engine -> gateway only). This side reads
+replicas' cache events (CacheEvents, engine -> gateway only); version 4 the model's EOS ids
+(EngineReady.eos_token_ids, engine -> gateway only). This side reads
 versions MIN_PROTOCOL_VERSION to PROTOCOL_VERSION and refuses a message or field newer than the
 version it claims. It writes each message at the lowest version that carries it
 (`wire_version`), without the newer fields it leaves unset, so a side that speaks only version 1
@@ -27,7 +28,7 @@ from stemma.sampling_params import SamplingParams
 
 __all__ = ['PROTOCOL_VERSION', 'MIN_PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'CUT_OFF', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'EndProgram', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'CacheEvents', 'Batch', 'CLIENT_REQUESTS']
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MIN_PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
 MAX_ID_CHARS = 256
@@ -265,10 +266,12 @@ class HealthOk(Message):
 class EngineReady(Message):
     """The engine's first message, once the model is loaded."""
     TAG: ClassVar[str] = "engine_ready"
+    FIELDS_SINCE: ClassVar[dict[str, int]] = {"eos_token_ids": 4}
     model: str
     context_length: int
     vocab_size: int
     pid: int = 0                   # the engine process, which the gateway watches
+    eos_token_ids: list[int] | None = None  # the model's EOS ids (version 4): their text is left out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -133,6 +133,7 @@ class Gateway:
         self.routes = Routes()
         self.prompt_jobs = PromptJobs()  # long text prompts being tokenized off the loop
         self.tokenizer: Any = None
+        self.eos_token_ids: tuple[int, ...] = ()  # the engine's, from its EngineReady
         self.context_length = 0     # the engine's, from its EngineReady
         self.router: zmq.Socket | None = None
         self.peers: PeerWatch | None = None
@@ -217,6 +218,7 @@ class Gateway:
 
     def open(self, ready: P.EngineReady) -> None:
         self.tokenizer = load_tokenizer(ready.model)
+        self.eos_token_ids = tuple(ready.eos_token_ids or ())
         self.context_length = ready.context_length
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
@@ -759,7 +761,8 @@ class Gateway:
 
     def text(self, pending: Pending, index: int) -> TextStream:
         if index not in pending.texts:
-            pending.texts[index] = TextStream.of(self.tokenizer, pending.params, pending.input_ids)
+            pending.texts[index] = TextStream.of(self.tokenizer, pending.params, pending.input_ids,
+                                                 self.eos_token_ids)
         return pending.texts[index]
 
 

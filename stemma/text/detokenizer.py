@@ -50,10 +50,12 @@ class IncrementalDetokenizer:
 
 class StopTextTracker:
     """Accumulates text, finds stop strings across token boundaries, and says how much is safe to
-    stream: a tail that could still grow into a stop string is held back."""
+    stream: a tail that could still grow into a stop string is held back. The text ends where the
+    first stop string starts, or with `keep`, where it ends."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], keep: bool = False):
         self.stops = tuple(stops)
+        self.keep = keep
         self.text = ""
         self.streamed = 0
         self.stopped: str | None = None
@@ -66,7 +68,7 @@ class StopTextTracker:
         self.text += delta
         hit = self._find(start)
         if hit is not None:
-            self.text = self.text[:hit[0]]
+            self.text = self.text[:hit[0] + (len(hit[1]) if self.keep else 0)]
             self.stopped = hit[1]
             return self.flush()
         safe = len(self.text) - self._partial_tail()
@@ -98,22 +100,26 @@ class StopTextTracker:
 
 class TextStream:
     """Token ids in, streamable text out: incremental detokenization plus stop-string trimming.
-    The text of `stop_ids` is left out, as vLLM and SGLang leave it: a request ends at its stop
-    token (the sampler bans them until min_new_tokens), so it is the output's last token."""
+    The text of `stop_ids` is left out, as vLLM and SGLang leave a stop token's and EOS's: a
+    request ends at such a token (the sampler bans them until min_new_tokens), so it can only be
+    the output's last token."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: Sequence[str] = (),
                  skip_special_tokens: bool = True, context: Sequence[int] = (),
-                 stop_ids: Sequence[int] = ()):
+                 stop_ids: Sequence[int] = (), keep_stop: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context)
-        self.stops = StopTextTracker(stops)
+        self.stops = StopTextTracker(stops, keep_stop)
         self.stop_ids = frozenset(stop_ids)
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
-           context: Sequence[int]) -> TextStream:
-        """The stream of a request's output text: its stop strings, stop token ids and
-        special-token rule, with the prompt `context` before the first token."""
-        return cls(tokenizer, params.stop, params.skip_special_tokens, context, params.stop_token_ids)
+           context: Sequence[int], eos_token_ids: Sequence[int] = ()) -> TextStream:
+        """The stream of a request's output text: its stop strings, special-token rule and the
+        ids that end it (its stop token ids, and the model's `eos_token_ids` unless it ignores
+        EOS), with the prompt `context` before the first token."""
+        keep = params.include_stop_str_in_output
+        ends = () if keep else (*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids))
+        return cls(tokenizer, params.stop, params.skip_special_tokens, context, ends, keep)
 
     def push(self, token_ids: Sequence[int]) -> str:
         if self.stop_ids:

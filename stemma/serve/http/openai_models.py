@@ -84,6 +84,7 @@ class SamplingFields(OpenAIBody):
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # scheduling (vLLM's and SGLang's `priority`; stemma's latency targets)
     priority: int | None = Field(default=None, ge=-2**31, lt=2**31)
     ttft_slo_ms: float | None = Field(default=None, gt=0)

@@ -12,7 +12,7 @@ OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                "top_logprobs": "logprobs", "json_schema": "response_format", "grammar": "ebnf"}
 PASSED = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
           "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "skip_special_tokens",
-          "priority", "ttft_slo_ms", "itl_slo_ms")
+          "include_stop_str_in_output", "priority", "ttft_slo_ms", "itl_slo_ms")
 # vLLM's constraint fields -> the SamplingParams field each becomes
 GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "regex"),
           ("guided_grammar", "grammar"))
