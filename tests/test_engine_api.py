@@ -145,6 +145,22 @@ def test_prompt_logprobs_with_cached_prefix(engine):
     assert a.meta["cached_tokens"] <= 3  # the match stopped before the scored positions
 
 
+def test_prompt_logprobs_across_prefill_chunks(folder, engine):
+    """Chunks that end before logprob_start return their last row too: it is not scored (each
+    such chunk added one misplaced value at the front)."""
+    ids = list(range(4, 60))
+    ref = engine.generate(ids, GREEDY.replace(max_new_tokens=1, logprob_start=0)).prompt_logprobs
+    chunked = stemma.Engine(folder, dtype="float32", kv_pool_tokens=512, max_running_requests=2,
+                            chunked_prefill_size=7, enable_radix_cache=False)
+    for start in (0, 1, 6, 7, 8, 10, 30, 55):
+        got = chunked.generate(ids, GREEDY.replace(max_new_tokens=1, logprob_start=start)).prompt_logprobs
+        assert len(got) == len(ids) - start
+        if start == 0:
+            assert got[0] is None and ref[0] is None  # the first token has no context
+        assert got[start == 0:] == pytest.approx(ref[max(start, 1):], abs=1e-4), start
+    chunked.check_pool_whole()
+
+
 def test_stats_and_flush(engine):
     engine.generate(["ka lo mi nu pe ri so tu", "ka lo mi nu pe ri so vé"], GREEDY)
     s = engine.stats()

@@ -56,12 +56,17 @@ def fault_text(where: str, exc: BaseException) -> str:
 
 def prompt_logprobs(req: Request, n: int, logits: torch.Tensor) -> list[float] | None:
     """Logprobs of the prompt tokens whose preceding position is among `logits`' rows (the last
-    rows of req's `n` new tokens), or None when those rows score no prompt token."""
+    rows of req's `n` new tokens) from req.logit_start() on, or None when those rows score no
+    prompt token. A chunk that ends before the logit start still returns its last row (every
+    request's forward returns one): that row is not scored."""
     first = req.kv_len + n - logits.shape[0]      # position of logits[0]
+    skip = max(0, (req.logit_start() or 0) - first)
+    first += skip
     prompt_end = len(req.input_ids) - 1           # last position whose next token is in the prompt
-    if first > prompt_end:
-        return None
     upto = min(req.kv_len + n, prompt_end + 1) - first
+    if upto <= 0:
+        return None
+    logits = logits[skip:]
     targets = torch.tensor(req.tokens[first + 1:first + 1 + upto], dtype=torch.int64)
     values: list[float] = []
     for at in range(0, upto, PROMPT_LOGPROB_BLOCK):
