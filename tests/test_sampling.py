@@ -285,6 +285,32 @@ def test_an_extreme_repetition_penalty_keeps_the_bans(penalty, temperature):
         assert scores[1, 2] >= scores[1, 1] > scores[1, 3] >= scores[1, 4]
 
 
+@pytest.mark.parametrize("penalty", [1e-46, 1e-40, 1e38, 1e39])
+def test_an_extreme_repetition_penalty_keeps_the_constraint_mask(penalty):
+    """A constraint masks logits to -inf before the penalties: times a penalty that underflows to
+    0 they were NaN (argmax took them), and clamped to -1e30 they tied with seen tokens pushed
+    there; the masked stay -inf."""
+    masked = torch.tensor([[float("-inf"), -1.0, -2.0, float("-inf"), 3.0, float("-inf")]])
+    req = Req(SamplingParams(temperature=0, repetition_penalty=penalty), [0, 1, 2, 3, 4, 5], [])
+    scores = apply_penalties(masked, SamplingBatch.build([req], 6))
+    assert scores[0, [0, 3, 5]].eq(float("-inf")).all() and torch.isfinite(scores[0, [1, 2, 4]]).all()
+    for temperature in (0.0, 1.0):
+        reqs = [Req(SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=i), [1, 2, 4], [])
+                for i in range(4)]
+        for _ in range(5):
+            assert set(run(masked.expand(4, 6).clone(), reqs).token_ids.tolist()) <= {1, 2, 4}
+
+
+@pytest.mark.parametrize("temperature", [3e38, 1e39, 1e300])
+def test_a_temperature_past_float32_keeps_the_bans(temperature):
+    """1e39 became inf in float32: -inf / inf is NaN, and sampling drew the banned tokens."""
+    logits = torch.tensor([[4.0, -1.0, -2.0, -3.0, -4.0, 5.0]]).expand(4, 6).clone()
+    reqs = [Req(SamplingParams(temperature=temperature, seed=i), [], []) for i in range(4)]
+    for _ in range(10):
+        out = run(logits, reqs, sampler=Sampler(), banned_ids=[[0, 5]] * 4)
+        assert set(out.token_ids.tolist()) <= {1, 2, 3, 4}, out.token_ids
+
+
 def test_batch_rejects_bad_inputs():
     with pytest.raises(ValueError, match="outside"):
         SamplingBatch.build([Req(SamplingParams(repetition_penalty=1.1), [7])], 5)

@@ -302,7 +302,10 @@ class Constrainer:
         guide, vocab = req.constraint, self._vocab
         budget = guide.budget if self.budget_closure else None
         if token in vocab.end_ids:
-            return self._took(req, pending, [token], "stop", budget)  # allowed only where the guide is final
+            if not guide.is_final():  # the mask allows an end only there: a bug, caught for this request
+                req.error = "the constraint refused the end of the output before it was complete"
+                return [], "error"
+            return self._took(req, pending, [token], "stop", budget)
         if not guide.accept(token):
             req.error = f"the constraint refused token {token}: {guide.error}"
             return [], "error"

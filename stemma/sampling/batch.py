@@ -17,6 +17,8 @@ import torch
 
 from stemma.sampling_params import SamplingParams
 
+TEMPERATURE_BOUND = 1e30  # a higher temperature is taken as this one (past float32's max it was inf)
+
 
 class SamplingRequest(Protocol):
     """What the sampler reads from a request."""
@@ -93,7 +95,7 @@ class SamplingBatch:
             raise ValueError(f"banned_ids must have one entry per request ({len(requests)}), "
                              f"got {len(banned_ids)}")
         greedy = [p.is_greedy for p in params]
-        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+        floats = torch.tensor([[1.0 if g else min(p.temperature, TEMPERATURE_BOUND) for p, g in zip(params, greedy)],
                                [p.top_p for p in params],
                                [p.min_p for p in params]], dtype=torch.float32).to(device)
         top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]

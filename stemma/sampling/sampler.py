@@ -79,16 +79,19 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     scores = logits.clone()
     pen = batch.penalties
     if pen is not None:
-        rows = scores[pen.rows]
+        given = scores[pen.rows]
         repetition = pen.repetition[:, None]
-        repeated = torch.where(rows > 0, rows / repetition, rows * repetition)
-        rows = torch.where(pen.seen, repeated, rows)
+        repeated = torch.where(given > 0, given / repetition, given * repetition)
+        rows = torch.where(pen.seen, repeated, given)
         rows = rows - pen.counts * pen.frequency[:, None]
         rows = rows - (pen.counts > 0).float() * pen.presence[:, None]
-        # finite, so that -inf stays the bans' alone: a penalty of 1e39 (or 1e-40) overflows a
-        # seen logit to -inf (+inf), where argmax would take a banned token and softmax give NaN.
-        # Divided by a temperature >= GREEDY_BELOW, the bound stays finite too.
-        scores[pen.rows] = rows.clamp(-PENALIZED_BOUND, PENALIZED_BOUND)
+        # finite, so that -inf stays the bans' and the constraint mask's alone: a penalty of 1e39
+        # (or 1e-40) overflows a seen logit to -inf (+inf), where argmax would take a banned
+        # token and softmax give NaN. Divided by a temperature in [GREEDY_BELOW,
+        # TEMPERATURE_BOUND], the bound stays finite too. A masked -inf stays -inf (times a
+        # penalty that underflows to 0 it was NaN; clamped it tied with penalized tokens).
+        rows = rows.clamp(-PENALIZED_BOUND, PENALIZED_BOUND)
+        scores[pen.rows] = torch.where(given == float("-inf"), given, rows)
     if batch.bias is not None:
         rows, ids, values = batch.bias
         scores.index_put_((rows, ids), values.to(scores.dtype), accumulate=True)
