@@ -119,6 +119,21 @@ def test_fork_commits_the_prefix_once_and_join_gathers(mock):
     assert usage.cached_tokens >= 3 * prefix_len
 
 
+def test_join_gives_none_for_a_branch_that_did_not_write_the_variable(mock):
+    """Even where the parent had written it before the fork (the inherited value came back)."""
+    @stemma.function
+    def prog(s):
+        s += "start" + stemma.gen("x", max_new_tokens=4)
+        forks = s.fork(2)
+        forks[0] += stemma.gen("x", max_new_tokens=4)
+        forks[1] += stemma.gen("y", max_new_tokens=4)
+        forks.join()
+
+    state = prog.run(backend=mock)
+    (x0, x1), (y0, y1) = state["x"], state["y"]
+    assert x0 is not None and y1 is not None and x1 is None and y0 is None
+
+
 def test_fork_branch_reads_and_keeps_parent_vars(mock):
     @stemma.function
     def prog(s):
@@ -158,6 +173,35 @@ def test_bodies_wait_on_one_thread_concurrently():
     assert threading.active_count() == threads
     assert peak[0] == 4  # four bodies waiting at once, and never more
     assert [len(s.calls()) for s in states] == [3] * 10
+
+
+def test_run_batch_returns_every_state_when_a_call_fails():
+    """As in SGLang: a program whose model call failed is a state with its error(), the others'
+    results stand (they were all lost); an exception of a body still ends the batch."""
+    def reply(prompt):
+        if "Q2:" in prompt:
+            raise RuntimeError("the server refused program 2's request")
+        return " fine"
+
+    @stemma.function
+    def prog(s, i):
+        s += f"Q{i}:" + stemma.gen("a", max_new_tokens=5)
+        if i == 3:
+            s += "then" + stemma.gen("b", max_new_tokens=2)
+
+    states = prog.run_batch([{"i": i} for i in range(5)], backend=MockBackend(reply=reply))
+    assert [s.error() is None for s in states] == [True, True, False, True, True]
+    assert "refused program 2" in str(states[2].error())
+    assert [states[i]["a"] for i in (0, 1, 3, 4)] == [" fine"] * 4 and states[3]["b"]
+
+    @stemma.function
+    def buggy(s, i):
+        s += "x" + stemma.gen("a", max_new_tokens=2)
+        if i == 1:
+            raise KeyError("a bug in the body")
+
+    with pytest.raises(KeyError, match="a bug in the body"):
+        buggy.run_batch([{"i": i} for i in range(3)], backend=MockBackend())
 
 
 def test_run_batch_prefills_the_traced_prefix(mock, capsys):

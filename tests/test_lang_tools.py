@@ -301,7 +301,10 @@ def test_the_thread_pool_is_bounded_and_reservable(monkeypatch):
             running[0] -= 1
         s += "a" + stemma.gen("x", max_new_tokens=2)
 
-    prog.run_batch([()] * 6, backend=MockBackend(), max_concurrency=6)
+    async def unreserved():
+        await asyncio.gather(*(prog.run_async(backend=MockBackend()) for _ in range(6)))
+
+    asyncio.run(unreserved())
     assert peak[0] == 2  # two threads: the other bodies waited on the loop for one
 
     async def reserved():
@@ -310,6 +313,9 @@ def test_the_thread_pool_is_bounded_and_reservable(monkeypatch):
 
     peak[0] = 0
     asyncio.run(reserved())
+    assert peak[0] == 6
+    peak[0] = 0  # run_batch reserves its max_concurrency (as SGLang's num_threads makes threads)
+    prog.run_batch([()] * 6, backend=MockBackend(), max_concurrency=6)
     assert peak[0] == 6
 
 

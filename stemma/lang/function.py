@@ -29,6 +29,7 @@ from stemma.lang.context import BackendLike, get_backend
 from stemma.lang.interpreter import RunConfig
 from stemma.lang.options import is_option, normalize
 from stemma.lang.state import ProgramState, start
+from stemma.lang.suspend import reserve_threads
 from stemma.lang.tracer import Placeholder, Trace, TracingState, placeholders, trace
 from stemma.lang.usage import CallRecord, Usage, total
 from stemma.sampling_params import SamplingParams
@@ -209,7 +210,9 @@ class Function:
         """Runs the program once per entry of `batch` (a dict of keyword arguments, or a list of
         positional ones), `max_concurrency` (SGLang: `num_threads`; default 32) at a time, on one
         event loop. The traced constant prefix is prefilled once first, so every program finds
-        it in the cache. `options`: the sampling options of every program (temperature=...)."""
+        it in the cache. `options`: the sampling options of every program (temperature=...).
+        Every state comes back: one whose model call failed (a prompt past the context, the
+        server gone) has it as `error()`, as in SGLang; an exception of a body ends the batch."""
         _not_in_loop(f"{self.name}.run_batch()", f"await {self.name}.run_batch_async()")
         self._check_options(options, "run_batch")
         backend = get_backend(backend)
@@ -237,13 +240,18 @@ class Function:
         prefix = self.trace()
         prefill = await _prefill(config.backend, prefix) if bound else None
         loop = asyncio.get_running_loop()
+        reserve_threads(loop, max_concurrency)  # bodies that block (in tools) take a thread each
         gate = asyncio.Semaphore(max_concurrency)
         bar = _progress(len(bound), self.name) if progress_bar else None
 
         async def one(args: tuple, kwargs: dict) -> ProgramState:
             async with gate:
                 state = start(self.body, args, kwargs, config, loop, stream=False)
-                await state.wait_async()
+                try:
+                    await state.wait_async()
+                except Exception as exc:  # as SGLang: a failed call is the state's error()
+                    if not state.failed_executing(exc):
+                        raise  # the body's own error ends the batch
             if bar is not None:
                 bar.update(1)
             return state

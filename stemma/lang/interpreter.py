@@ -511,6 +511,6 @@ class StateExecutor:
     async def _join(self, node: JoinPoint) -> None:
         for branch in node.branches:
             await branch.idle()
-        for name in node.names:
-            values = [branch.vars.get(name) for branch in node.branches]
+        for name in node.names:  # None for a branch that did not write it (not its inherited value)
+            values = [branch.vars[name] if name in branch.own else None for branch in node.branches]
             self._set(name, values, None)

@@ -257,7 +257,15 @@ class ProgramState(RoleMethods):
             self.sync()
         except Exception as exc:
             return exc
+        task = self._task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            return task.exception()  # a run_batch program whose model call failed
         return self._ex.error
+
+    def failed_executing(self, exc: BaseException) -> bool:
+        """Whether `exc`, which the program stopped with, is what stopped the execution of its
+        state or a fork's (a model call that failed, ...), not an error raised by its body."""
+        return any(executor.error is exc for executor in self._ex.run.executors)
 
     # ---- streaming ----
     def _read(self) -> Any:
