@@ -510,6 +510,18 @@ def test_num_api_spec_tokens_speculates_without_prefix_reuse():
     state = departs.run(backend=other)
     assert state["age"] == " unrelated" and len(other.calls) == 2
 
+    # the programs of a batch speculate each for itself: the same prompt sampled five times
+    # gave one sample five times (one request), as the batch shared its speculations
+    @sgl.function(num_api_spec_tokens=64)
+    def pick(s):
+        s += "Pick one:" + sgl.gen("x", stop="\n")
+
+    draws = iter(range(100))
+    sampled = NoReuse(reply=lambda prompt: f" draw {next(draws)}\nmore")
+    states = pick.run_batch([()] * 5, backend=sampled, temperature=1.0, max_concurrency=1)
+    assert len({st["x"] for st in states}) == 5
+    assert sum(call.params.max_new_tokens > 0 for call in sampled.calls) == 5  # the rest: the prefix's prefill
+
 
 def test_speculation_cuts_at_max_new_tokens_and_passes_other_requests_through():
     inner = MockBackend(reply=continue_doc)

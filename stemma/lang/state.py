@@ -18,6 +18,7 @@ comes after) is given up there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from contextlib import contextmanager
@@ -485,7 +486,7 @@ def start(body: Callable[..., Any], args: tuple, kwargs: dict, config: RunConfig
           loop: asyncio.AbstractEventLoop, stream: bool, own_loop: bool = False) -> ProgramState:
     """Starts `body(state, *args, **kwargs)` as a task on `loop` and returns its state. `own_loop`:
     the loop is the run's alone (f.run), so reads and streams drive it and wait() closes it."""
-    run = Run(config, loop)
+    run = Run(dataclasses.replace(config, backend=config.backend.for_one_run()), loop)
     state = ProgramState(run.root(), loop if own_loop else None)
     if stream:
         state._stream = state._ex.listen()

@@ -76,6 +76,11 @@ class Backend(ABC):
         """Several requests submitted together, so that the engine runs them in one batch."""
         return list(await asyncio.gather(*(self.generate(ids, p) for ids, p in requests)))
 
+    def for_one_run(self) -> "Backend":
+        """The backend one program run uses: this one, unless it keeps state that must be a
+        run's own (a speculative backend's speculations)."""
+        return self
+
     async def end_program(self, program_id: str) -> None:
         """The program calls no more (stemma.program_call); a backend whose server keeps program
         records tells it. This one does nothing."""

@@ -41,6 +41,11 @@ class SpeculativeBackend(Backend):
         self._speculations: list[tuple[list[int], str, str | None]] = []  # (prompt, text, reason)
         self.served = 0  # gens served from a speculation, with no request
 
+    def for_one_run(self) -> "SpeculativeBackend":
+        """Speculations are a program's own, as SGLang keeps them per program: programs of one
+        run_batch with the same prompt would otherwise share one sample."""
+        return SpeculativeBackend(self.inner, self.num_tokens)
+
     @property
     def codec(self) -> TokenCodec:
         return self.inner.codec
