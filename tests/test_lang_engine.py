@@ -48,6 +48,28 @@ def two_calls(s, question):
     s += " " + W[7] + stemma.select("pick", [W[30], W[31] + " " + W[32], W[40]])
 
 
+def test_programs_on_several_threads_share_one_engine(engine, backend):
+    """f.run() on threads (each its own event loop) over one in-process engine: one program hung
+    forever (its waiter was dropped by another loop's driver) and two backends over the engine
+    stepped it at once (tensor shape errors)."""
+    import threading
+    questions = [W[50 + i] for i in range(6)]
+    alone = [two_calls.run(question=q, backend=backend, sampling=GREEDY).vars() for q in questions]
+    for shared in (backend, engine):  # one backend for all threads; a new one per run
+        results = {}
+
+        def work(i, shared=shared, results=results):
+            results[i] = two_calls.run(question=questions[i], backend=shared, sampling=GREEDY).vars()
+
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert [results.get(i) for i in range(len(questions))] == alone
+
+
 def test_greedy_outputs_equal_hand_built_engine_calls(engine, backend):
     state = two_calls.run(question=W[50], backend=backend, sampling=GREEDY)
     tok = engine.tokenizer

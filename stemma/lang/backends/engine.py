@@ -13,12 +13,18 @@ starts the next step, for as long as the bodies keep posting turns (SETTLE_SLICE
 SETTLE_S in all); a program that ends with its call posts nothing, and costs one slice. The steps
 stay on the loop rather than on a thread of their own: on a CPU, the bodies' turns would then run
 beside the matmuls (README, Programs).
+
+Programs run on other threads (f.run() from a thread pool: each run has its own loop) share the
+engine: every engine call holds the engine's lock, each loop's driver steps it while that loop
+has requests (a step serves every loop's), and publishes only its own loop's.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -57,7 +63,26 @@ class _Waiter:
     published: Publisher | None = None  # with a text stream, when on_text is set
 
 
+# one lock per engine, shared by every backend over it: programs on other threads (each run's
+# own event loop) call into the same engine, which is not thread-safe
+_ENGINE_LOCKS: "weakref.WeakKeyDictionary[Engine, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock_of(engine: Engine) -> threading.RLock:
+    with _LOCKS_GUARD:
+        lock = _ENGINE_LOCKS.get(engine)
+        if lock is None:
+            lock = _ENGINE_LOCKS[engine] = threading.RLock()
+        return lock
+
+
 class EngineBackend(Backend):
+    """Invariants: every engine call holds the engine's lock; `_waiting[loop]` holds the requests
+    submitted from `loop` and not yet published, and only `loop`'s driver publishes them (their
+    futures are that loop's); a loop's driver runs while it has waiters, stepping the engine for
+    every loop's requests."""
+
     def __init__(self, engine: Engine | None = None, **engine_config: Any):
         """`engine`: a stemma.Engine; None starts one from `engine_config` (EngineConfig fields)."""
         if engine is None:
@@ -66,9 +91,10 @@ class EngineBackend(Backend):
         elif engine_config:
             raise ValueError("pass an engine or engine options, not both")
         self.engine = engine
+        self._lock = _lock_of(engine)
         self._codec = HFCodec(engine.tokenizer)
-        self._waiting: dict[str, _Waiter] = {}   # request id -> its waiter
-        self._driver: asyncio.Task | None = None
+        self._waiting: dict[asyncio.AbstractEventLoop, dict[str, _Waiter]] = {}
+        self._drivers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
 
     @property
     def codec(self) -> TokenCodec:
@@ -76,32 +102,45 @@ class EngineBackend(Backend):
 
     def _submit(self, ids: list[int], params: SamplingParams, on_text: OnText | None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        if self._driver is not None and self._driver.get_loop() is not loop:
-            self._abort(list(self._waiting.values()))  # left over from a loop that has gone away
-        (req,) = self.engine.submit(ids, params, call=CURRENT_CALL.get())
-        waiter = _Waiter(req, loop.create_future(), on_text)
-        if on_text is not None:
-            waiter.published = Publisher(self.engine.text_stream(req))
-        self._waiting[req.rid] = waiter
-        if self._driver is None or self._driver.done() or self._driver.get_loop() is not loop:
-            self._driver = loop.create_task(self._drive())
+        with self._lock:
+            self._drop_closed_loops()
+            (req,) = self.engine.submit(ids, params, call=CURRENT_CALL.get())
+            waiter = _Waiter(req, loop.create_future(), on_text)
+            if on_text is not None:
+                waiter.published = Publisher(self.engine.text_stream(req))
+            self._waiting.setdefault(loop, {})[req.rid] = waiter
+        driver = self._drivers.get(loop)
+        if driver is None or driver.done():
+            self._drivers[loop] = loop.create_task(self._drive(loop))
         return waiter.future
 
+    def _drop_closed_loops(self) -> None:
+        """Ends the requests of loops that have gone away (nobody can read their results)."""
+        for loop in [lp for lp in self._waiting if lp.is_closed()]:
+            for rid in self._waiting.pop(loop):
+                self.engine.abort(rid)
+            self._drivers.pop(loop, None)
+
     async def end_program(self, program_id: str) -> None:
-        self.engine.end_program(program_id)
+        with self._lock:
+            self.engine.end_program(program_id)
 
     def _abort(self, waiters: list[_Waiter]) -> None:
-        for waiter in waiters:
-            if self._waiting.pop(waiter.req.rid, None) is not None:
-                self.engine.abort(waiter.req.rid)
+        waiting = self._waiting.get(asyncio.get_running_loop(), {})
+        with self._lock:
+            for waiter in waiters:
+                if waiting.pop(waiter.req.rid, None) is not None:
+                    self.engine.abort(waiter.req.rid)
 
-    async def _drive(self) -> None:
-        while self._waiting:
+    async def _drive(self, loop: asyncio.AbstractEventLoop) -> None:
+        waiting = self._waiting[loop]
+        while waiting:
             await asyncio.sleep(0)  # let programs submit what they have before the next step
             try:
-                stepped = self.engine.step()
+                with self._lock:
+                    stepped = self.engine.step()
             except Exception as exc:  # an engine failure fails every request waiting on it
-                waiters = list(self._waiting.values())
+                waiters = list(waiting.values())
                 for waiter in waiters:
                     if not waiter.future.done():
                         waiter.future.set_exception(exc)
@@ -109,18 +148,20 @@ class EngineBackend(Backend):
                     self._abort(waiters)  # and ends them: nobody will read what they would compute
                 except Exception:
                     logger.exception("aborting the requests of a failed step failed too")
-                    self._waiting.clear()
+                    waiting.clear()
                 return
             woken = False
-            for waiter in list(self._waiting.values()):
-                woken |= self._publish(waiter)
-            if woken and self._waiting:
+            with self._lock:
+                for waiter in list(waiting.values()):
+                    woken |= self._publish(waiting, waiter)
+            if woken and waiting:
                 await _settle()
-            if not stepped:  # a batch window is open, or a guide is being built: wait off the
-                timeout = self.engine.idle_timeout()  # loop; a submit wakes it
+            if not stepped:  # a batch window is open, a guide is being built, or another loop's
+                with self._lock:  # driver ran the step: wait off the loop; a submit wakes it
+                    timeout = self.engine.idle_timeout()
                 await asyncio.to_thread(self.engine.wait_for_work, timeout)
 
-    def _publish(self, waiter: _Waiter) -> bool:
+    def _publish(self, waiting: dict[str, _Waiter], waiter: _Waiter) -> bool:
         """Passes on what waiter's request produced; True when it finished a program's call."""
         req = waiter.req
         if waiter.published is not None:
@@ -129,7 +170,7 @@ class EngineBackend(Backend):
                 waiter.on_text(delta)
         if not req.finished:
             return False
-        del self._waiting[req.rid]
+        del waiting[req.rid]
         if waiter.published is not None:
             tail = waiter.published.finish()
             if tail:
@@ -140,11 +181,15 @@ class EngineBackend(Backend):
             waiter.future.set_result(output)
         return req.call is not None
 
+    def _waiters_of(self, futures: list[asyncio.Future]) -> list[_Waiter]:
+        waiting = self._waiting.get(asyncio.get_running_loop(), {})
+        return [w for w in list(waiting.values()) if w.future in futures]
+
     async def _wait(self, futures: list[asyncio.Future]) -> list[RequestOutput]:
         try:
             return list(await asyncio.gather(*futures))
         except BaseException:  # cancelled or failed: stop what is still running
-            self._abort([w for w in self._waiting.values() if w.future in futures])
+            self._abort(self._waiters_of(futures))
             raise
 
     async def generate(self, ids: list[int], params: SamplingParams,
@@ -158,9 +203,10 @@ class EngineBackend(Backend):
             for ids, params in requests:
                 futures.append(self._submit(ids, params, None))
         except BaseException:  # a bad prompt: the ones submitted before it are withdrawn
-            self._abort([w for w in self._waiting.values() if w.future in futures])
+            self._abort(self._waiters_of(futures))
             raise
         return await self._wait(futures)
 
     async def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        with self._lock:
+            return self.engine.stats()
