@@ -130,10 +130,24 @@ def test_engine_params_list_of_the_wrong_length(engine):
         engine.generate([[5, 6]], [OK, OK])
 
 
+def nested(depth: int) -> dict:
+    """{"not": {"not": ... {"type": "string"}}}: a valid schema `depth` levels deep."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"not": schema}
+    return schema
+
+
 CONSTRAINTS = {  # kind: (params, pattern); the request fails, the engine goes on
     "regex_that_does_not_compile": ({"regex": "(unclosed"}, r"^regex: .* cannot be compiled"),
     "grammar_that_does_not_parse": ({"grammar": "start: ("}, r"grammar"),
     "json_schema_that_is_not_a_schema": ({"json_schema": {"type": "nonsense"}}, r"^json_schema is invalid"),
+    # jsonschema's own check raised TypeError, and recursed past the limit: in the engine process
+    # either ended the process (every request failed, and each such message cost a restart)
+    "json_schema_whose_check_raised_type_error": ({"json_schema": {"$schema": []}},
+                                                  r"^json_schema is not supported: TypeError"),
+    "json_schema_nested_past_the_recursion_limit": ({"json_schema": nested(200)},
+                                                    r"^json_schema is nested too deeply"),
 }
 
 
@@ -182,6 +196,10 @@ ZMQ = {  # kind: (frames after the peer's, code, reply rid, words in the message
     "zmq_empty_key": (["", generate()], P.UNAUTHORIZED, "", "missing or wrong API key"),
     "zmq_stop_token_outside_vocab": ([KEY, generate(params={**OK, "stop_token_ids": [10 ** 6]})],
                                      P.BAD_REQUEST, "g", "stop_token_ids holds token ids outside"),
+    "zmq_json_schema_whose_check_raised": ([KEY, generate(params={**OK, "json_schema": {"$schema": []}})],
+                                           P.BAD_REQUEST, "g", "json_schema is not supported"),
+    "zmq_json_schema_nested_too_deeply": ([KEY, generate(params={**OK, "json_schema": nested(200)})],
+                                          P.BAD_REQUEST, "g", "json_schema is nested too deeply"),
 }
 
 

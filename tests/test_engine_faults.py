@@ -346,3 +346,26 @@ def test_served_forward_fault_fails_the_step_and_the_server_keeps_serving(served
     assert [o.token_ids for o in outs] == [ref[tuple(p)] for p in prompts()]
     wait_idle(client)
     assert client.info()["stats"]["pool_whole"] is True
+
+
+def test_a_fault_taking_in_a_message_fails_that_message_only(folder, monkeypatch):
+    """The engine process's loop: an exception other than ValueError while a request is taken
+    in (a compiler's TypeError, ...) escaped the loop and ended the process, failing every
+    request in it; now its sender gets an INTERNAL error and the loop goes on."""
+    from stemma import protocol as P
+    from stemma.engine.process import EngineLoop
+    engine = make(folder)
+    loop = EngineLoop(engine, requests=None, outputs=None)
+    real = engine.submit
+
+    def submit(prompt, params=None, **kw):
+        if kw.get("rid") == "bad":
+            raise TypeError("unhashable type: 'list'")
+        return real(prompt, params, **kw)
+
+    monkeypatch.setattr(engine, "submit", submit)
+    loop.handle(P.GenerateReq(rid="bad", input_ids=[5, 6], params=SamplingParams(max_new_tokens=2)))
+    (error,) = loop.outbox
+    assert (error.rid, error.code) == ("bad", P.INTERNAL) and "TypeError" in error.message
+    loop.handle(P.GenerateReq(rid="ok", input_ids=[5, 6], params=SamplingParams(max_new_tokens=2)))
+    assert list(loop.groups) == ["ok"]

@@ -34,11 +34,21 @@ class ConstraintSpec:
 
 
 def check(params: SamplingParams) -> ConstraintSpec | None:
-    """The request's constraint, compiled once to prove it is sound; None when it has none."""
+    """The request's constraint, compiled once to prove it is sound; None when it has none.
+    Whatever the compilers raise on a value is a ValueError naming the field: a schema nested
+    past the recursion limit, or one jsonschema's own check trips over ({"$schema": []} raised
+    TypeError), is the request's fault, never the engine's."""
     for field in CONSTRAINT_FIELDS:
         value = getattr(params, field)
         if value is not None:
-            return _compile(field, value)
+            try:
+                return _compile(field, value)
+            except ValueError:
+                raise
+            except RecursionError:
+                raise ValueError(f"{field} is nested too deeply") from None
+            except Exception as exc:
+                raise ValueError(f"{field} is not supported: {type(exc).__name__}: {exc}") from None
     return None
 
 

@@ -87,6 +87,17 @@ class EngineLoop:
 
     # ---- intake ----
     def handle(self, msg: P.Message) -> None:
+        """Takes in one message; a fault while taking it in fails that message alone (its
+        sender gets an INTERNAL error), never the loop."""
+        try:
+            self._handle(msg)
+        except Exception as exc:
+            logger.exception("taking in a %r message failed", msg.TAG)
+            self.outbox.append(P.ErrorMsg(rid=getattr(msg, "rid", ""), code=P.INTERNAL,
+                                          message=f"internal error taking in the request: "
+                                                  f"{type(exc).__name__}: {exc}"))
+
+    def _handle(self, msg: P.Message) -> None:
         if isinstance(msg, P.GenerateReq):
             self._generate(msg)
         elif isinstance(msg, P.Abort):
