@@ -196,6 +196,9 @@ ZMQ = {  # kind: (frames after the peer's, code, reply rid, words in the message
     "zmq_empty_key": (["", generate()], P.UNAUTHORIZED, "", "missing or wrong API key"),
     "zmq_stop_token_outside_vocab": ([KEY, generate(params={**OK, "stop_token_ids": [10 ** 6]})],
                                      P.BAD_REQUEST, "g", "stop_token_ids holds token ids outside"),
+    # past --max-frame-bytes: its error goes to its own request (to no id, the client failed
+    # every request in flight on its socket)
+    "zmq_frame_too_large": ([KEY, generate(input_ids=[5] * 70_000)], P.TOO_LARGE, "g", "over the limit"),
     "zmq_json_schema_whose_check_raised": ([KEY, generate(params={**OK, "json_schema": {"$schema": []}})],
                                            P.BAD_REQUEST, "g", "json_schema is not supported"),
     "zmq_json_schema_nested_too_deeply": ([KEY, generate(params={**OK, "json_schema": nested(200)})],

@@ -403,3 +403,24 @@ def test_a_failing_prompt_in_a_list_fails_the_call_and_the_client_goes_on(server
         assert client.generate(IDS[1], GREEDY).token_ids
     finally:
         client.close()
+
+
+def test_a_server_error_sent_to_no_request_aborts_the_requests_it_fails():
+    """The server answers a frame whose request id it could not read with an error to no id: the
+    client fails every request in flight, and the server may still run them, so giving one up
+    aborts it there (it ran on for nobody). An error addressed to a request needs no abort."""
+    from stemma.client.core import ClientCore, ServerError
+    sent = []
+    core = ClientCore("tcp://127.0.0.1:1", b"k", sent.append)
+    for rid in ("a", "b"):
+        core.start(P.GenerateReq(rid=rid, input_ids=[5]))
+    core.received([[P.encode(P.ErrorMsg(rid="", code=P.BAD_REQUEST, message="unreadable frame"))],
+                   [P.encode(P.ErrorMsg(rid="b", code=P.BAD_REQUEST, message="its own"))]])
+    sent.clear()
+    core.give_up("a", ServerError(P.BAD_REQUEST, "unreadable frame"))
+    assert [P.decode(frames[-1]) for frames in sent] == [P.Abort(rid="a")]
+    core.start(P.GenerateReq(rid="c", input_ids=[5]))
+    core.received([[P.encode(P.ErrorMsg(rid="c", code=P.BAD_REQUEST, message="its own"))]])
+    sent.clear()
+    core.give_up("c", ServerError(P.BAD_REQUEST, "its own"))
+    assert sent == []

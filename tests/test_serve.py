@@ -222,7 +222,7 @@ BAD_INPUTS = {
     "invalid_token_id": (P.encode(P.GenerateReq(rid="i", input_ids=[5, 96])), P.BAD_REQUEST, "i",
                          "outside [0, 96)"),
     "over_size_limit": (P.encode(P.GenerateReq(rid="big", prompt="ka " * (FRAME_LIMIT // 3 + 10))), P.TOO_LARGE,
-                        "", "over the limit"),
+                        "big", "over the limit"),  # its id read without decoding the rest
 }
 
 

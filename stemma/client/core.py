@@ -381,6 +381,9 @@ class ClientCore:
         self._send = send
         self._new_inbox = new_inbox
         self._inbox: dict[str, Any] = {}
+        # requests failed by a server error sent to no request id (a frame whose id the server
+        # could not read): it may still run them, so giving one up aborts it
+        self._unsure: set[str] = set()
 
     def clock(self, timeout: float | None, now: float) -> WaitClock:
         """The limits of a wait for a reply that starts `now`."""
@@ -406,12 +409,13 @@ class ClientCore:
 
     def finish(self, rid: str) -> None:
         self._inbox.pop(rid, None)
+        self._unsure.discard(rid)
 
     def give_up(self, rid: str, exc: BaseException) -> None:
         """After `exc` ended the wait for `rid`: the server already dropped a request it failed;
         anything else (a timeout, an unreachable server that may yet get it, an interrupt, a
         cancellation) leaves it running there, so abort it."""
-        if isinstance(exc, ServerError) and not isinstance(exc, RequestTimeout):
+        if isinstance(exc, ServerError) and not isinstance(exc, RequestTimeout) and rid not in self._unsure:
             self.finish(rid)
         else:
             self.abandon(rid)
@@ -427,6 +431,7 @@ class ClientCore:
         for rid in list(self._inbox) if abort else ():
             self.abandon(rid)
         self._inbox.clear()
+        self._unsure.clear()
 
     def received(self, raws: Iterable[list[bytes]], events: Iterable[list[bytes]] = ()) -> None:
         """Takes in the socket's monitor `events` (which say whether it is connected) and files
@@ -437,6 +442,7 @@ class ClientCore:
         for raw in raws:
             msg = read_reply(raw)
             if isinstance(msg, P.ErrorMsg) and not msg.rid:
+                self._unsure.update(self._inbox)
                 self._broadcast(msg)  # a frame without a readable id failed: fail them all
             elif msg.rid in self._inbox:
                 self._inbox[msg.rid].append(msg)

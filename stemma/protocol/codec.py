@@ -9,14 +9,15 @@ ever pickled.
 from __future__ import annotations
 
 import dataclasses
+import io
 import typing
 from typing import Any
 
 import msgpack
 
 from stemma.program_call import ProgramCall
-from stemma.protocol.messages import (_TYPES, DEFAULT_MAX_FRAME_BYTES, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
-                                      Message, ProtocolError)
+from stemma.protocol.messages import (_TYPES, DEFAULT_MAX_FRAME_BYTES, MAX_ID_CHARS, MIN_PROTOCOL_VERSION,
+                                      PROTOCOL_VERSION, Message, ProtocolError)
 from stemma.protocol.wire_types import WireTypeError, coerce
 from stemma.sampling_params import SamplingParams
 
@@ -106,6 +107,23 @@ def from_wire(data: Any, allowed: tuple[type[Message], ...] | None = None) -> Me
         raise ProtocolError(str(exc) if isinstance(exc, WireTypeError) else f"{tag}: {exc}", rid) from None
 
 
+def peek_rid(frame: bytes, max_keys: int = 16) -> str:
+    """The `rid` of the message map in `frame`, read without decoding its other values (an
+    oversize frame's error then goes to its own request, not to all of its peer's); "" when
+    there is none to read."""
+    try:
+        unpacker = msgpack.Unpacker(io.BytesIO(frame), raw=False, max_ext_len=0,
+                                    max_buffer_size=len(frame) + 1)
+        for _ in range(min(unpacker.read_map_header(), max_keys)):
+            if unpacker.unpack() == "rid":
+                rid = unpacker.unpack()
+                return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS else ""
+            unpacker.skip()
+    except Exception:  # not a map, cut short, or not msgpack: no rid to read
+        pass
+    return ""
+
+
 def encode(msg: Message) -> bytes:
     return msgpack.packb(to_wire(msg), use_bin_type=True)
 
@@ -114,7 +132,8 @@ def decode(frame: bytes, allowed: tuple[type[Message], ...] | None = None,
            max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
     """The message in `frame`; `allowed` restricts its type. Raises ProtocolError."""
     if len(frame) > max_bytes:
-        raise ProtocolError(f"frame of {len(frame)} bytes is over the limit of {max_bytes} bytes")
+        raise ProtocolError(f"frame of {len(frame)} bytes is over the limit of {max_bytes} bytes",
+                            peek_rid(frame))
     try:
         data = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0,
                                max_str_len=max_bytes, max_bin_len=max_bytes,

@@ -512,9 +512,11 @@ class Gateway:
         try:
             msg = P.decode(body.bytes, P.CLIENT_REQUESTS, self.spec.max_frame_bytes)
         except P.ProtocolError as exc:
-            code = P.TOO_LARGE if len(body) > self.spec.max_frame_bytes else P.BAD_REQUEST
+            if len(body) > self.spec.max_frame_bytes:
+                self.error(peer, exc.rid, P.TOO_LARGE, str(exc))  # stemma's, past --max-frame-bytes
+                return
             self.stranger(peer, str(exc))
-            self.error(peer, exc.rid, code, str(exc))
+            self.error(peer, exc.rid, P.BAD_REQUEST, str(exc))
             return
         self.on_message(peer, msg)
 
