@@ -16,3 +16,14 @@ os.environ.setdefault("STEMMA_AUTOTUNE", "0")
 # Likewise `compile_decode="auto"` would compile every engine's one-row decode forward on a
 # background thread; the tests of the compiled path turn it on (stemma.executor.compiled_decode).
 os.environ.setdefault("STEMMA_COMPILE", "0")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_default_backend_left_behind():
+    """set_default_backend is process-wide (as SGLang's): one test's must not reach the next."""
+    yield
+    from stemma.lang.context import clear_default_backend
+    clear_default_backend()

@@ -424,3 +424,11 @@ def test_a_server_error_sent_to_no_request_aborts_the_requests_it_fails():
     sent.clear()
     core.give_up("c", ServerError(P.BAD_REQUEST, "its own"))
     assert sent == []
+
+
+def test_an_overloaded_answer_to_a_health_call_is_not_healthy_yet():
+    """An engine that is exiting answers `overloaded` until its gateway notices; a health wait
+    that raised on it stopped a server that was starting (its restart would have served)."""
+    from stemma.client.core import ServerError, unhealthy
+    assert unhealthy(ServerError(P.OVERLOADED, "the engine's queue is full"))
+    assert not unhealthy(ServerError(P.UNAUTHORIZED, "missing or wrong API key"))

@@ -287,16 +287,26 @@ def test_sampling_defaults_and_overrides(mock):
     assert [(c.params.max_new_tokens, c.params.temperature) for c in mock.calls] == [(7, 0), (2, 0.5)]
 
 
-def test_default_backend_is_a_context_variable(mock):
+def test_default_backend_is_the_context_s_else_the_process_s(mock):
     import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stemma.lang.context import _DEFAULT, get_backend
 
     def inner():
         stemma.set_default_backend(mock)
         return qa.run(question="ctx")["answer"]
 
     assert contextvars.copy_context().run(inner) == qa.run(question="ctx", backend=mock)["answer"]
-    from stemma.lang.context import _DEFAULT
-    assert _DEFAULT.get() is None  # the outer context is untouched
+    assert _DEFAULT.get() is None  # the outer context's own is untouched...
+    assert get_backend() is mock   # ...and without one it takes the process's, as SGLang's is
+    other = MockBackend()
+    contextvars.copy_context().run(lambda: stemma.set_default_backend(other))
+    assert get_backend() is other
+    stemma.set_default_backend(mock)
+    with ThreadPoolExecutor(2) as pool:  # threads start with empty contexts: they started the
+        answers = list(pool.map(lambda q: qa.run(question=q)["answer"], ["a", "b"]))  # embedded model
+    assert answers == [qa.run(question=q, backend=mock)["answer"] for q in ["a", "b"]]
 
 
 def test_errors_name_what_went_wrong(mock):

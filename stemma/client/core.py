@@ -88,8 +88,10 @@ def check_connect_timeout(seconds: float | None) -> float | None:
 
 def unhealthy(exc: ServerError) -> bool:
     """Whether a failed health call means "not serving" (a timeout, an unreachable address, a lost
-    connection, a dead or stopping engine) rather than an error to raise (a wrong API key)."""
-    return isinstance(exc, RequestTimeout) or exc.code in (CONNECTION_LOST, P.ENGINE_DEAD, P.SHUTTING_DOWN)
+    connection, a dead, stopping or full engine: one that is exiting answers `overloaded` until its
+    gateway notices) rather than an error to raise (a wrong API key)."""
+    return isinstance(exc, RequestTimeout) or exc.code in (CONNECTION_LOST, P.ENGINE_DEAD, P.SHUTTING_DOWN,
+                                                           P.OVERLOADED)
 
 
 def new_rid() -> str:

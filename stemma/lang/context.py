@@ -1,5 +1,7 @@
 """Which backend a program runs on: the one passed to run, else the context's default, else the
-embedded runtime on the default model (started on first use)."""
+process's (the last one set anywhere: a thread pool's threads start with empty contexts, and in
+SGLang the default is process-wide), else the embedded runtime on the default model (started on
+first use)."""
 from __future__ import annotations
 
 import contextvars
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 BackendLike: TypeAlias = "Backend | Client | Runtime | Engine | str"  # what as_backend takes
 
 _DEFAULT: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("stemma_backend", default=None)
+_PROCESS_DEFAULT: list[Backend | None] = [None]  # where no context has one
 
 
 def as_backend(value: BackendLike) -> Backend:
@@ -36,16 +39,24 @@ def as_backend(value: BackendLike) -> Backend:
 
 
 def set_default_backend(value: BackendLike) -> Backend:
-    """Makes `value` (see as_backend) the backend of programs run in this context from now on."""
+    """Makes `value` (see as_backend) the backend of programs run in this context from now on,
+    and in contexts that have set none (other threads'), as SGLang's is."""
     backend = as_backend(value)
     _DEFAULT.set(backend)
+    _PROCESS_DEFAULT[0] = backend
     return backend
+
+
+def clear_default_backend() -> None:
+    """Forgets every default set so far, this context's and the process's."""
+    _DEFAULT.set(None)
+    _PROCESS_DEFAULT[0] = None
 
 
 def get_backend(value: BackendLike | None = None) -> Backend:
     if value is not None:
         return as_backend(value)
-    backend = _DEFAULT.get()
+    backend = _DEFAULT.get() or _PROCESS_DEFAULT[0]
     if backend is None:
         from stemma.lang.backends.remote import embedded_default
         backend = embedded_default()
