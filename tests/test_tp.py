@@ -58,6 +58,37 @@ def test_logits_match_tp1(folder):
     finish_clean(two)
 
 
+def listening(pid: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1])
+    return found
+
+
+@LLAMA_BY_DEFAULT
+def test_the_ranks_listen_on_loopback_only(folder):
+    """The rendezvous was a TCPStore, which listens on every interface whatever host it is given,
+    with no authentication, for the engine's whole life."""
+    two = make(folder, tp=2)
+    loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1, ::1
+    for pid in [os.getpid(), *(proc.pid for proc in two.tp_workers.procs)]:
+        addresses = listening(pid)
+        assert all(a.startswith(loopback) for a in addresses), (pid, addresses)
+    finish_clean(two)
+
+
 @LLAMA_BY_DEFAULT
 def test_fewer_kv_heads_than_ranks_are_replicated(folder):
     """tp=4 over 2 KV heads: each rank holds one query head and the KV head it reads."""

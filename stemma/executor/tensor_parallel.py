@@ -4,9 +4,11 @@
     rank 0: Engine ── ModelRunner.forward(fb) ── step frame (stdin pipe) ──▶ rank k: forward(fb)
               └──────────── collectives inside the forward (models.parallel) ───────┘
 
-Rendezvous is a TCPStore on 127.0.0.1 that rank 0 opens; every rank loads its own slice of the
-model, says so in the store, and only then joins the process group (gloo on CPU, NCCL on CUDA,
-rank k on cuda:k), so a rank that fails to load is an error at once, not a hang. Each forward,
+Rendezvous is a FileStore in a folder of rank 0's that only its user can open (a TCPStore listens
+on every interface, whatever host it is given, and has no authentication); every rank loads its
+own slice of the model, says so in the store, and only then joins the process group (gloo on CPU,
+its connections on 127.0.0.1; NCCL on CUDA, rank k on cuda:k), so a rank that fails to load is an
+error at once, not a hang. Each forward,
 rank 0 writes the batch (executor.step_frame) to every worker's stdin, then runs its own slice;
 the ranks meet in the forward's all-reduces and all-gathers, and rank 0 alone gets the logits.
 A worker exits when its stdin closes (rank 0 stopped or died) or on an empty frame.
@@ -16,9 +18,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, BinaryIO
 
@@ -52,7 +56,10 @@ def read_frame(pipe: BinaryIO) -> bytes | None:
 def process_group(store: Any, rank: int, size: int, device: torch.device) -> Any:
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(store, rank, size)
-    return dist.ProcessGroupGloo(store, rank, size, TIMEOUT)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # loopback only
+    options._timeout = TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -65,12 +72,14 @@ class Workers:
 
     def __init__(self, size: int, device: torch.device, model: dict[str, Any], runner: dict[str, Any]):
         self.size, self.device = size, device
-        self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
+        self.folder = tempfile.mkdtemp(prefix="stemma-tp-")  # mode 0700
+        store_path = os.path.join(self.folder, "store")
+        self.store = dist.FileStore(store_path, size)
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE)
             write_frame(proc.stdin, json.dumps({
-                "rank": rank, "size": size, "port": self.store.port,
+                "rank": rank, "size": size, "store": store_path,
                 "device": str(rank_device(device, rank)), "model": model, "runner": runner}).encode())
             self.procs.append(proc)
         self.tp = TensorParallel(0, size, None)  # its group once every rank has loaded (join)
@@ -113,6 +122,7 @@ class Workers:
                 proc.kill()
                 proc.wait()
         self.procs = []
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def worker_threads(size: int) -> int:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from stemma.executor import tuning
 from stemma.executor.runner import ModelRunner, RunnerConfig
 from stemma.executor.step_frame import unpack
-from stemma.executor.tensor_parallel import TIMEOUT, process_group, read_frame, worker_threads
+from stemma.executor.tensor_parallel import process_group, read_frame, worker_threads
 from stemma.loader.model import load_model
 from stemma.models.parallel import TensorParallel
 
@@ -30,7 +30,7 @@ def main() -> int:
     loaded = load_model(device=device, tp=tp, **spec["model"])
     tuning.tune(loaded.model)
     runner = ModelRunner(loaded, RunnerConfig(**spec["runner"], compile_decode="off"))
-    store = dist.TCPStore("127.0.0.1", spec["port"], size, False, timeout=TIMEOUT)
+    store = dist.FileStore(spec["store"], size)
     store.set(f"loaded/{rank}", "1")
     tp.group = process_group(store, rank, size, device)
     while True:
