@@ -85,3 +85,27 @@ def test_a_prompt_without_tokens_comes_back_as_its_error():
             job.ids.result()
     finally:
         jobs.close()
+
+
+def test_peers_take_turns():
+    """One worker, the peers in turn: a client's many long prompts delay another client's by
+    one prompt, not by all of them (they were tokenized first come, first served)."""
+    order = []
+
+    class Recording:
+        def __call__(self, text):
+            order.append(text.split()[0])
+            time.sleep(0.01)
+            return type("Encoded", (), {"input_ids": [1]})()
+
+    tok, jobs = Recording(), PromptJobs()
+    try:
+        for i in range(6):
+            assert jobs.submit(b"flood", req(f"f{i}", f"f{i} " + LONG), tok)
+        assert jobs.submit(b"other", req("o", "o " + LONG), tok)
+        assert jobs.submit(b"third", req("t", "t " + LONG), tok)
+        finished(jobs, 8)
+        assert order.index("o") <= 2 and order.index("t") <= 3, order
+        assert [w for w in order if w.startswith("f")] == [f"f{i}" for i in range(6)]  # each peer's in order
+    finally:
+        jobs.close()
