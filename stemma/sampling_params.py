@@ -128,7 +128,8 @@ def _normalize_schema(value: Any) -> str | None:
 class SamplingParams:
     """Each field's help text is its `stemma ... --help` description (see stemma.field_doc)."""
     max_new_tokens: int = doc(128, "most tokens to generate")
-    min_new_tokens: int = doc(0, "EOS and stop_token_ids are banned until this many tokens")
+    min_new_tokens: int = doc(0, "EOS and stop_token_ids are banned, and stop strings not matched, "
+                                 "until this many tokens")
     temperature: float = doc(1.0, f"0 (or anything below {GREEDY_BELOW}) means greedy")
     top_p: float = doc(1.0, "nucleus sampling: keep the most likely tokens up to this "
                             "probability mass; in (0, 1], 1 is off")

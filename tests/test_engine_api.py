@@ -84,6 +84,27 @@ def test_stop_token_ids(engine):
     assert engine.generate("ka lo mi", kept).text == three == "".join(engine.stream("ka lo mi", kept))
 
 
+def test_min_new_tokens_holds_stop_strings(engine):
+    """As vLLM: a stop string that ends in the first min_new_tokens tokens neither ends nor
+    trims the output; the next one that ends later does (the output ended at the first)."""
+    full = engine.generate("ka lo mi", GREEDY)
+    heads = [engine.generate("ka lo mi", GREEDY.replace(max_new_tokens=m)).text for m in range(1, 8)]
+    cases = [(stop, m) for stop in sorted(set(full.text.split()), key=full.text.index)
+             for m, head in enumerate(heads, start=1)
+             if full.text.index(stop) + len(stop) <= len(head) and full.text.find(stop, len(head) - len(stop) + 1) > 0]
+    assert cases  # a word written within the first m tokens and again after them
+    stop, m = cases[0]
+    head = heads[m - 1]
+    later = full.text.find(stop, len(head) - len(stop) + 1)
+    held = GREEDY.replace(stop=[stop], min_new_tokens=m)
+    out = engine.generate("ka lo mi", held)
+    assert out.finish_reason == "stop" and out.text == full.text[:later], (stop, m)
+    assert "".join(engine.stream("ka lo mi", held)) == out.text
+    assert engine.generate("ka lo mi", GREEDY.replace(stop=[stop])).text == full.text[:full.text.index(stop)]
+    never = GREEDY.replace(stop=[full.text.split()[0]], min_new_tokens=GREEDY.max_new_tokens)
+    assert engine.generate("ka lo mi", never).text == full.text  # held to the end
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(engine):
     full = engine.generate("ka lo mi", GREEDY)
     words = full.text.split()

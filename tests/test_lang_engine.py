@@ -269,3 +269,23 @@ def test_a_finished_call_wakes_its_program_before_the_next_step(engine, backend,
     both.run(backend=backend, sampling=GREEDY)
     assert finished_at[2] < finished_at[40]  # the long call was still running ...
     assert submitted_at[3] == finished_at[2]  # ... and no step ran between the first call's end and the next
+
+
+def test_a_kept_stop_token_stays_in_the_program_s_ids(engine, backend):
+    """With include_stop_str_in_output the text keeps the stop token's text: so do the ids the
+    program goes on from (they dropped it, and no longer spelled the text)."""
+    prompt = sentence(8)
+    ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
+    plain = engine.generate(ids, SamplingParams(max_new_tokens=6, ignore_eos=True, **GREEDY))
+    at = next(i for i, t in enumerate(plain.token_ids) if i > 0 and t not in plain.token_ids[:i])
+    stop = plain.token_ids[at]  # a token not sampled before it
+
+    @stemma.function
+    def kept(s, include):
+        s += prompt + stemma.gen("x", max_new_tokens=6, ignore_eos=True, stop_token_ids=[stop],
+                                 include_stop_str_in_output=include)
+
+    for include, length in ((True, at + 1), (False, at)):
+        state = kept.run(include, backend=backend, sampling=GREEDY)
+        assert state["x"] == engine.generate(ids, SamplingParams(max_new_tokens=length, **GREEDY)).text
+        assert state.token_ids()[-length:] == plain.token_ids[:length]

@@ -475,7 +475,8 @@ class StateExecutor:
         with self._call():
             out = await self.backend.generate(ids, params, on_text)
         trimmed = bool(params.stop) and out.finish_reason == "stop"
-        kept = self.codec.settle(out.token_ids, out.text, trimmed, params.stop_token_ids, ids)
+        dropped = () if params.include_stop_str_in_output else params.stop_token_ids  # not in the text
+        kept = self.codec.settle(out.token_ids, out.text, trimmed, dropped, ids)
         self._append_generated(out.text, kept, streamed=on_text is not None)
         self._set(node.name, out.text, out)
         self._record("gen", node.name, out.meta)

@@ -60,13 +60,15 @@ class StopTextTracker:
         self.streamed = 0
         self.stopped: str | None = None
 
-    def add(self, delta: str) -> str:
-        """Adds a delta; returns the newly streamable text. After a stop matches, text is trimmed."""
+    def add(self, delta: str, match: bool = True) -> str:
+        """Adds a delta; returns the newly streamable text. After a stop matches, text is trimmed.
+        With `match` False no stop string is looked for; once it is True again, only a stop that
+        ends in new text counts (one held back before stays in the text)."""
         if self.stopped is not None:
             return ""
-        start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
+        before = len(self.text)
         self.text += delta
-        hit = self._find(start)
+        hit = self._find(before) if match else None
         if hit is not None:
             self.text = self.text[:hit[0] + (len(hit[1]) if self.keep else 0)]
             self.stopped = hit[1]
@@ -79,10 +81,11 @@ class StopTextTracker:
         out, self.streamed = self.text[self.streamed:], len(self.text)
         return out
 
-    def _find(self, start: int) -> tuple[int, str] | None:
+    def _find(self, before: int) -> tuple[int, str] | None:
+        """The first stop string that ends past `before`."""
         best = None
         for stop in self.stops:
-            i = self.text.find(stop, start)
+            i = self.text.find(stop, max(0, before - len(stop) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, stop)
         return best
@@ -106,10 +109,14 @@ class TextStream:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: Sequence[str] = (),
                  skip_special_tokens: bool = True, context: Sequence[int] = (),
-                 stop_ids: Sequence[int] = (), keep_stop: bool = False):
+                 stop_ids: Sequence[int] = (), keep_stop: bool = False, hold_stops: int = 0):
+        """`hold_stops`: stop strings do not end the text within its first that many tokens
+        (min_new_tokens, as vLLM holds them)."""
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context)
         self.stops = StopTextTracker(stops, keep_stop)
         self.stop_ids = frozenset(stop_ids)
+        self.hold_stops = hold_stops
+        self.pushed = 0  # tokens pushed so far
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
@@ -119,12 +126,20 @@ class TextStream:
         EOS), with the prompt `context` before the first token."""
         keep = params.include_stop_str_in_output
         ends = () if keep else (*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids))
-        return cls(tokenizer, params.stop, params.skip_special_tokens, context, ends, keep)
+        return cls(tokenizer, params.stop, params.skip_special_tokens, context, ends, keep,
+                   params.min_new_tokens)
 
     def push(self, token_ids: Sequence[int]) -> str:
+        held = min(len(token_ids), max(0, self.hold_stops - self.pushed))
+        if 0 < held < len(token_ids):  # the text of the held tokens first, unmatched
+            return self._push(token_ids[:held], False) + self._push(token_ids[held:], True)
+        return self._push(token_ids, held == 0)
+
+    def _push(self, token_ids: Sequence[int], match: bool) -> str:
+        self.pushed += len(token_ids)
         if self.stop_ids:
             token_ids = [t for t in token_ids if t not in self.stop_ids]
-        return self.stops.add(self.detok.push(token_ids))
+        return self.stops.add(self.detok.push(token_ids), match)
 
     def finish(self) -> str:
         """Whatever was held back, once no more tokens will come."""
