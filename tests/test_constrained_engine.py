@@ -252,6 +252,22 @@ def test_n_samples_and_ignore_eos_end_where_the_constraint_does(folder):
     engine.check_pool_whole()
 
 
+@pytest.mark.parametrize("speculative", ["none", "ngram"])
+def test_ignore_eos_and_min_new_tokens_hold_a_complete_constraint_s_end(folder, speculative):
+    """Where the constraint is complete but may go on ("a+" after one a), its end is held while
+    the request ignores EOS or has fewer than min_new_tokens (it ended there, EOS pushed up by
+    logit_bias); where it can only end, it ends (the test above)."""
+    engine = make(folder, speculative=speculative)
+    eos = engine.tokenizer.eos_token_id
+    base = dict(temperature=0, regex="a+", max_new_tokens=8, logit_bias={eos: 50.0})
+    assert len(engine.generate("hello", SamplingParams(**base)).token_ids) <= 2  # ends at once
+    out = engine.generate("hello", SamplingParams(**base, ignore_eos=True))
+    assert out.finish_reason == "length" and re.fullmatch("a+", out.text) and len(out.token_ids) == 8
+    out = engine.generate("hello", SamplingParams(**base, min_new_tokens=5))
+    assert out.finish_reason == "stop" and re.fullmatch("a+", out.text) and len(out.text) >= 5
+    engine.check_pool_whole()
+
+
 def test_siblings_share_one_check_of_a_slow_constraint(folder, monkeypatch):
     """The n siblings' constraint is checked once: when its compile outlasts the check window,
     each further check queued behind it, stalling the engine loop n windows (0.25 s each)."""

@@ -215,13 +215,22 @@ class Constrainer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- each step ----
-    def mask(self, logits: torch.Tensor, guides: Sequence[Guide], rows: Sequence[int]) -> None:
-        """Sets the logits that `guides` forbid (guide i for row rows[i]) to -inf, in place."""
+    def mask(self, logits: torch.Tensor, guides: Sequence[Guide], rows: Sequence[int],
+             hold: Sequence[bool] = ()) -> None:
+        """Sets the logits that `guides` forbid (guide i for row rows[i]) to -inf, in place. An
+        end token is allowed where the guide is complete, except where `hold[i]` (the request
+        wants more: it ignores EOS, or has fewer than min_new_tokens) and the guide allows more
+        than an end there."""
         start = time.perf_counter()
         mask = bitmask.fill(guides, logits.shape[-1])
         if self.budget_closure:
             self._close(mask, guides)
-        self._end_tokens.set(mask, [g.is_final() for g in guides])
+        final = [g.is_final() for g in guides]
+        if any(hold):
+            self._end_tokens.set(mask, [False] * len(guides))
+            more = mask.ne(0).any(dim=1).tolist()
+            final = [f and not (h and m) for f, h, m in zip(final, [*hold, *[False] * len(guides)], more)]
+        self._end_tokens.set(mask, final)
         bitmask.apply(logits, mask, rows)
         self.stats.guided_tokens += len(guides)
         self.stats.mask_time += time.perf_counter() - start
@@ -254,17 +263,18 @@ class Constrainer:
         tokens = self.encode(data.decode("utf-8"))[:k]
         return tokens[:self.allowed_drafts(req, tokens)]
 
-    def mask_path(self, logits: torch.Tensor, guide: Guide, drafts: list[int], rows: Sequence[int]) -> None:
+    def mask_path(self, logits: torch.Tensor, guide: Guide, drafts: list[int], rows: Sequence[int],
+                  hold: Sequence[bool] = ()) -> None:
         """Masks rows[j] as `guide` stands after drafts[:j], each with the budget left there, for
         the len(drafts) + 1 rows that verify them (allowed_drafts cut them, so every draft is
-        accepted). The guide is left as it was."""
+        accepted); `hold[j]` as mask's for rows[j]. The guide is left as it was."""
         budget = guide.budget if self.budget_closure else None
         taken, saved = 0, None
         try:
             for j, row in enumerate(rows):
                 if budget is not None:
                     guide.budget = budget - j
-                self.mask(logits, [guide], [row])
+                self.mask(logits, [guide], [row], hold[j:j + 1])
                 if j == 0:  # row 0 is the request's real state: what its mask caches is kept
                     saved = _trial_state(guide)
                 if j < len(drafts):

@@ -49,6 +49,12 @@ class StepOutput:
 PROMPT_LOGPROB_BLOCK = 256  # prompt positions scored at once: bounds the float32 copy of logits
 
 
+def wants_more(req: Request, ahead: int = 0) -> bool:
+    """Whether `req`, `ahead` tokens past its output so far, must not end yet by an end token: it
+    ignores EOS, or has fewer than min_new_tokens (its constraint's end tokens are held too)."""
+    return req.params.ignore_eos or len(req.output_ids) + ahead < req.params.min_new_tokens
+
+
 def fault_text(where: str, exc: BaseException) -> str:
     """req.error of a request failed by an exception `where` (an internal error)."""
     return f"internal error in {where}: {type(exc).__name__}: {exc}"
@@ -122,8 +128,10 @@ class Executor:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             logits = self._drop_nonfinite(logits, owners, out)
             for i, drafts, at in paths:
+                req = plan.reqs[i]
                 try:
-                    self.constrainer.mask_path(logits, plan.reqs[i].constraint, drafts, at)
+                    self.constrainer.mask_path(logits, req.constraint, drafts, at,
+                                               [wants_more(req, j) for j in range(len(drafts) + 1)])
                 except Exception as exc:
                     out.failed.setdefault(i, fault_text("its constraint", exc))
             self._sample(sampled, logits, owners, out)
@@ -166,7 +174,8 @@ class Executor:
         # constrained rows only: one bitmask, applied in place; unconstrained rows are not touched
         guided = [i for i, r in enumerate(reqs) if r.constraint is not None]
         if guided:
-            self._mask(logits, [reqs[i].constraint for i in guided], guided, owners, out)
+            self._mask(logits, [reqs[i].constraint for i in guided], guided, owners, out,
+                       [wants_more(reqs[i]) for i in guided])
         batch = SamplingBatch.build(reqs, logits.shape[-1], logits.device, eos_token_ids=self.eos_token_ids)
         sampled = self.sampler.sample(logits, batch)
         out.token_ids = sampled.token_ids.tolist()
@@ -177,16 +186,16 @@ class Executor:
             out.top_logprobs = list(zip(tops.ids.tolist(), tops.values.tolist()))
 
     def _mask(self, logits: torch.Tensor, guides: list, rows: list[int], owners: list[int],
-              out: StepOutput) -> None:
+              out: StepOutput, hold: list[bool]) -> None:
         """One bitmask for all guided rows; when it fails, each guide alone, so that only the
         requests whose guide fails are failed (masking a row twice is the same as once)."""
         try:
-            self.constrainer.mask(logits, guides, rows)
+            self.constrainer.mask(logits, guides, rows, hold)
             return
         except Exception as exc:
             logger.warning("a constrained mask failed (%s); masking each guide alone", exc)
-        for guide, row in zip(guides, rows):
+        for guide, row, held in zip(guides, rows, hold):
             try:
-                self.constrainer.mask(logits, [guide], [row])
+                self.constrainer.mask(logits, [guide], [row], [held])
             except Exception as exc:
                 out.failed.setdefault(owners[row], fault_text("its constraint", exc))
