@@ -194,6 +194,10 @@ PERM = [6, 2, 9, 0, 4]  # token ids carrying PROBS; the other 5 of the 10 have ~
     ({"min_p": 0.3}, [0.4, 0.3, 0.15]),                 # floor 0.3 * 0.4 = 0.12
     ({"top_k": 3, "top_p": 0.6}, [0.4, 0.3]),           # top_p on top_k-renormalised mass
     ({"top_p": 0.9, "min_p": 0.5}, [0.4, 0.3]),
+    # vLLM's order: min_p first (floor 0.3 * 0.4 = 0.12 keeps 0.4, 0.3, 0.15: mass 0.85), then
+    # top_p over what it left (0.7 / 0.85 = 0.82 before 0.15 >= 0.8: it goes); over all of the
+    # mass (min_p last), 0.7 before 0.15 kept it
+    ({"top_p": 0.8, "min_p": 0.3}, [0.4, 0.3]),
     ({}, PROBS),
 ])
 @pytest.mark.parametrize("seeded", [True, False])

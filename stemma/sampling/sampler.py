@@ -101,14 +101,15 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_filters(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature-scaled logits [B, V] with the tokens top_k, top_p and min_p drop at -inf."""
-    if batch.filter_rows is not None:
-        rows = batch.filter_rows
-        scaled[rows] = _top_k_top_p(scaled[rows], batch.top_k[rows], batch.top_p[rows])
+    """Temperature-scaled logits [B, V] with the tokens min_p, then top_k and top_p drop at -inf
+    (vLLM's order: top_p's mass is that of what min_p left)."""
     if batch.any_min_p:
         probs = torch.softmax(scaled, dim=-1)
         floor = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    if batch.filter_rows is not None:
+        rows = batch.filter_rows
+        scaled[rows] = _top_k_top_p(scaled[rows], batch.top_k[rows], batch.top_p[rows])
     return scaled
 
 
