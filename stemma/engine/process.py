@@ -91,6 +91,8 @@ class EngineLoop:
         sender gets an INTERNAL error), never the loop."""
         try:
             self._handle(msg)
+        except zmq.ZMQError:  # the link to the gateway, not the message: as from any send
+            raise
         except Exception as exc:
             logger.exception("taking in a %r message failed", msg.TAG)
             self.outbox.append(P.ErrorMsg(rid=getattr(msg, "rid", ""), code=P.INTERNAL,
