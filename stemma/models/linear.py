@@ -88,8 +88,8 @@ class Matrix(nn.Module):
 
 class Linear(Matrix):
     """y = x W^T + b, with parameters named as torch.nn.Linear's. A row-parallel one
-    (`reduce`, a models.parallel.TensorParallel) sums its ranks' partial products before the
-    bias (which only rank 0 holds non-zero)."""
+    (`reduce`, a models.parallel.TensorParallel) adds its bias to its rank's partial product,
+    then sums the ranks' (only rank 0 holds the bias non-zero): every rank gets the same y."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(out_features, in_features)
@@ -98,9 +98,9 @@ class Linear(Matrix):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
-        if self.reduce is not None:
-            y = self.reduce.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.reduce is None else self.reduce.all_reduce(y)
 
 
 class Embedding(Matrix):
