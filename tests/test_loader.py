@@ -58,3 +58,46 @@ def test_bfloat16_tracks_float32(folder):
         logits[dtype] = d.step([(d.new(), ids)], all_logits=True)[0].float()
     cos = torch.nn.functional.cosine_similarity(logits["float32"], logits["bfloat16"], dim=-1)
     assert cos.min() > 0.99
+
+
+def _prefill_gap(folder) -> float:
+    """Max |logit difference| of stemma's prefill against transformers' forward."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = [(7 * i + 3) % 96 for i in range(21)]
+    d = Driver(ModelRunner(load_model(folder, dtype="float32"), RunnerConfig(kv_pool_tokens=256)))
+    ours = d.step([(d.new(), ids)], all_logits=True)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    return (ours - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("arch, key, value", [
+    ("llama", "sliding_window", 8),                   # transformers' llama ignores it (every layer slid)
+    ("gemma3", "attn_logit_softcapping", 5.0),        # transformers' gemma3 never applies it
+])
+def test_config_keys_transformers_ignores_change_nothing(tmp_path, arch, key, value):
+    folder = build_tiny(arch, tmp_path / arch)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert _prefill_gap(folder) < 1e-4
+
+
+def test_models_stemma_does_not_run_are_refused_by_name(tmp_path):
+    from transformers import Gemma3Config
+    from stemma.models.spec import spec_from_config
+    with pytest.raises(ValueError, match="multimodal checkpoint"):  # was an AttributeError after reading every weight
+        spec_from_config(Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]))
+    folder = build_tiny("gemma3", tmp_path / "embedding", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):  # was loaded as causal
+        load_model(folder)
+
+
+def test_model_safetensors_is_read_beside_other_safetensors(tmp_path):
+    """As transformers: a folder with model.safetensors and, say, mistral's consolidated.safetensors
+    (another layout of the same weights) reads the former ("has no place" errors before)."""
+    folder = build_tiny("mistral", tmp_path / "mistral")
+    from safetensors.torch import save_file
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(folder / "consolidated.safetensors"))
+    assert _prefill_gap(folder) < 1e-4

@@ -16,6 +16,8 @@ def safetensor_files(folder: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
         return [folder / s for s in shards]
+    if (folder / "model.safetensors").exists():  # as transformers picks it (beside, say, mistral's
+        return [folder / "model.safetensors"]     # consolidated.safetensors of another layout)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors weights found")

@@ -59,12 +59,15 @@ def _text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _layer_types(config: PretrainedConfig, n: int) -> list[str]:
+def _layer_types(config: PretrainedConfig, model_type: str, n: int) -> list[str]:
+    """Each layer's attention. Only mistral slides every layer by `sliding_window` alone, as
+    transformers reads it (qwen2/qwen3 and gemma3 configs name their layer_types; llama's ignores
+    the key: a stray one made every layer sliding here)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)
-    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-    return [kind] * n
+    slides = model_type == "mistral" and getattr(config, "sliding_window", None)
+    return ["sliding_attention" if slides else "full_attention"] * n
 
 
 def check_rope(config: PretrainedConfig, keys: set[str | None]) -> None:
@@ -77,7 +80,10 @@ def check_rope(config: PretrainedConfig, keys: set[str | None]) -> None:
 
 
 def spec_from_config(config: PretrainedConfig) -> ModelSpec:
-    config = _text_config(config)
+    if _text_config(config) is not config:
+        raise ValueError(f"{config.model_type!r} is a multimodal checkpoint "
+                         f"({', '.join(getattr(config, 'architectures', None) or ['its vision tower'])}); "
+                         "stemma runs text-only models: use the text-only release of the model")
     model_type = config.model_type
     if model_type == "gemma3":
         model_type = "gemma3_text"
@@ -89,7 +95,10 @@ def spec_from_config(config: PretrainedConfig) -> ModelSpec:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None)
-    types = _layer_types(config, n)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{model_type!r} with use_bidirectional_attention (an embedding model) is "
+                         "not a causal language model; stemma runs causal ones")
+    types = _layer_types(config, model_type, n)
     windows = tuple(window if t == "sliding_attention" and window else None for t in types)
     per_type_rope = family == "gemma3"
     rope_keys = tuple(t if per_type_rope else None for t in types)
@@ -116,6 +125,7 @@ def spec_from_config(config: PretrainedConfig) -> ModelSpec:
         max_position_embeddings=config.max_position_embeddings,
         layer_windows=windows,
         layer_rope_keys=rope_keys,
-        attn_logit_softcap=getattr(config, "attn_logit_softcapping", None),
+        # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it
+        attn_logit_softcap=None if family == "gemma3" else getattr(config, "attn_logit_softcapping", None),
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
