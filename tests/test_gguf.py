@@ -6,6 +6,7 @@ model is loaded once (default cache) for its names, shapes, tokenizer and warm l
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -155,8 +156,12 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_add_bos_token(True)
 
 
-def write_tiny_gguf(path: Path, architecture: str, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, architecture: str, seed: int = 0,
+                    rope_scaling: tuple[str, float] | None = None) -> Path:
     writer = gguf.GGUFWriter(path, architecture)
+    if rope_scaling is not None:
+        writer.add_string(f"{architecture}.rope.scaling.type", rope_scaling[0])
+        writer.add_float32(f"{architecture}.rope.scaling.factor", rope_scaling[1])
     writer.add_name(f"tiny {architecture}")
     writer.add_context_length(128)
     writer.add_block_count(TINY["layers"])
@@ -276,6 +281,123 @@ def test_rewritten_file_gets_a_fresh_entry(tmp_path, cache_dir):
     new = load_gguf(path, torch.float32).tensors["model.embed_tokens.weight"]
     assert not torch.equal(old, new)
     assert len(list((cache_dir / "gguf").iterdir())) == 2
+
+
+# ---------------------------------------------------------------- what transformers' GGUF config leaves out
+
+def _llama_as_gguf(folder: Path, path: Path) -> Path:
+    """A Hugging Face llama folder written as llama.cpp's converter writes it: q/k rows permuted,
+    the llama3 rope scaling as `rope_freqs.weight` (its config keeps no rope scaling)."""
+    from tests.tiny_models import build_tiny
+    build_tiny("llama", folder)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    cfg, rope = hf.config, hf.config.rope_parameters
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(d)
+    specials, pieces = ["<pad>", "<eos>", "<bos>", "<unk>"], [f"p{i}" for i in range(cfg.vocab_size - 4)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(specials + pieces)
+    writer.add_token_scores([0.0] * cfg.vocab_size)
+    writer.add_token_types([3, 3, 3, 2] + [1] * len(pieces))
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    # the llama3 scaling's per-frequency divisors (1 for short wavelengths, `factor` for long ones)
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    factors = []
+    for freq in (1.0 / rope["rope_theta"] ** (torch.arange(0, d, 2).float() / d)).tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    parts = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, t in hf.state_dict().items():
+        if name in top:
+            writer.add_tensor(top[name], t.numpy())
+            continue
+        layer, part = name.split(".")[2], name.split(".")[-2]
+        if part in ("q_proj", "k_proj"):  # llama.cpp's interleaved rope layout
+            n = heads if part == "q_proj" else kv_heads
+            t = t.reshape(n, 2, t.shape[0] // n // 2, t.shape[1]).swapaxes(1, 2).reshape(t.shape)
+        writer.add_tensor(f"blk.{layer}.{parts[part]}.weight", np.ascontiguousarray(t.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_llama3_rope_freqs_are_applied(tmp_path, cache_dir):
+    """Every Llama 3.1-3.3 GGUF: without its rope_freqs the logits were 12 off the checkpoint
+    it was converted from (transformers' own GGUF loader drops them too)."""
+    from stemma.executor.runner import ModelRunner, RunnerConfig
+    from stemma.loader.model import load_model
+    from tests.driver import Driver
+    path = _llama_as_gguf(tmp_path / "hf", tmp_path / "llama3.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = [(5 * i + 7) % 96 for i in range(40)]  # past original_max_position_embeddings (32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    driver = Driver(ModelRunner(load_model(path, dtype="float32", quantization="none"),
+                                RunnerConfig(kv_pool_tokens=256)))
+    ours = driver.step([(driver.new(), ids)], all_logits=True)[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_gemma3_linear_rope_scaling_reaches_the_global_layers(tmp_path, cache_dir):
+    path = write_tiny_gguf(tmp_path / "gemma3-linear.gguf", "gemma3", rope_scaling=("linear", 8.0))
+    config = load_gguf(path, torch.float32).config
+    assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
+    assert config.rope_parameters["full_attention"]["factor"] == 8.0
+    assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    assert config.query_pre_attn_scalar == TINY["head_dim"]
+    yarn = write_tiny_gguf(tmp_path / "gemma3-yarn.gguf", "gemma3", rope_scaling=("yarn", 4.0))
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        load_gguf(yarn, torch.float32)
+
+
+def test_gemma3_27b_scales_attention_by_hidden_over_heads():
+    """Its file has no query_pre_attn_scalar: transformers' default 256 is right only where it is
+    the head size (270M to 12B); the 27B (62 layers) takes hidden / heads, as llama.cpp."""
+    from types import SimpleNamespace
+
+    from stemma.loader.gguf.config import complete
+    index = GGUFIndex("gemma3", ())
+    big = SimpleNamespace(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32, head_dim=128,
+                          query_pre_attn_scalar=256)
+    complete(big, index)
+    assert big.query_pre_attn_scalar == 168
+    small = SimpleNamespace(num_hidden_layers=48, hidden_size=3840, num_attention_heads=16, head_dim=256,
+                            query_pre_attn_scalar=256)
+    complete(small, index)
+    assert small.query_pre_attn_scalar == 256
+
+
+def test_an_entry_of_an_older_format_is_read_again(tmp_path, cache_dir):
+    path = write_tiny_gguf(tmp_path / "gemma3-linear.gguf", "gemma3", rope_scaling=("linear", 8.0))
+    load_gguf(path, torch.float32)
+    index_file = gguf_cache.entry_dir(path) / "index.json"
+    old = json.loads(index_file.read_text())
+    del old["format"], old["rope_scaling"]  # as written before the rope keys were kept
+    index_file.write_text(json.dumps(old))
+    assert load_gguf(path, torch.float32).config.rope_parameters["full_attention"]["factor"] == 8.0
 
 
 # ---------------------------------------------------------------- errors

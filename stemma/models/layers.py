@@ -99,6 +99,11 @@ class Rotary(nn.Module):
         else:
             kwargs = {"layer_type": rope_key} if rope_key else {}
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
+        factors = getattr(config, "rope_freq_factors", None)  # a GGUF file's rope_freqs (gguf.config)
+        if factors is not None:
+            if len(factors) != inv_freq.numel():
+                raise ValueError(f"rope_freqs holds {len(factors)} factors for {inv_freq.numel()} frequencies")
+            inv_freq = inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
         # a plain attribute, not a buffer: models are built on the meta device and then emptied
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.scaling = float(scaling)

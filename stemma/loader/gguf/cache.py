@@ -23,6 +23,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from stemma.loader.gguf import config as gguf_config
 from stemma.loader.gguf.index import GGUFIndex, read_index
 from stemma.loader.gguf.names import check_architecture
 from stemma.paths import GGUF_INDEX_FILE, gguf_entry_dir
@@ -74,17 +75,28 @@ def _write_entry(path: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _cached_index(target: Path) -> GGUFIndex | None:
+    """The entry's index, or None when the entry is not whole or of an older format."""
+    try:
+        return GGUFIndex.from_json((target / INDEX_FILE).read_text())
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def load_metadata(path: Path) -> CachedMetadata:
-    """Config, tokenizer and tensor index for the GGUF file at `path`, building the entry if absent."""
+    """Config, tokenizer and tensor index for the GGUF file at `path`, building the entry if absent.
+    The config has what transformers' leaves out put back (gguf.config)."""
     target = entry_dir(path)
-    if not (target / INDEX_FILE).is_file():
-        if target.exists():  # not written by us (entries appear whole); rebuild it
+    index = _cached_index(target)
+    if index is None:
+        if target.exists():  # not written by us (entries appear whole), or an older format: rebuild
             shutil.rmtree(target)
         _write_entry(path, target)
+        index = GGUFIndex.from_json((target / INDEX_FILE).read_text())
     else:
         stage(logger, "reading the cached config, tokenizer and tensor index of %s", path.name)
-    index = GGUFIndex.from_json((target / INDEX_FILE).read_text())
     check_architecture(index.architecture)
     config = AutoConfig.from_pretrained(target, local_files_only=True)
+    gguf_config.complete(config, index)
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     return CachedMetadata(config, tokenizer, index)

@@ -34,19 +34,31 @@ class TensorEntry:
                    data["offset"], data["nbytes"])
 
 
+INDEX_FORMAT = 2  # 2: the rope scaling keys (an entry of another format is read again)
+
+
 @dataclass(frozen=True)
 class GGUFIndex:
     architecture: str
     tensors: tuple[TensorEntry, ...]
+    # `{arch}.rope.scaling.type` and its factor (or the older `rope.scale_linear`), which
+    # transformers' GGUF config leaves out; None where the file has none
+    rope_scaling: tuple[str, float] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"architecture": self.architecture,
+        return json.dumps({"format": INDEX_FORMAT, "architecture": self.architecture,
+                           "rope_scaling": list(self.rope_scaling) if self.rope_scaling else None,
                            "tensors": [t.to_json() for t in self.tensors]}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "GGUFIndex":
+        """Raises ValueError for an index of another format."""
         data = json.loads(text)
-        return cls(data["architecture"], tuple(TensorEntry.from_json(t) for t in data["tensors"]))
+        if data.get("format") != INDEX_FORMAT:
+            raise ValueError(f"a GGUF index of format {data.get('format')!r}, not {INDEX_FORMAT}")
+        scaling = data["rope_scaling"]
+        return cls(data["architecture"], tuple(TensorEntry.from_json(t) for t in data["tensors"]),
+                   (str(scaling[0]), float(scaling[1])) if scaling else None)
 
 
 def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
@@ -54,6 +66,22 @@ def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
     if field is None:
         raise ValueError(f"{path} has no general.architecture key; not a model GGUF file")
     return str(field.contents())
+
+
+def _scalar(reader: gguf.GGUFReader, key: str):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _rope_scaling(reader: gguf.GGUFReader, architecture: str) -> tuple[str, float] | None:
+    kind = _scalar(reader, f"{architecture}.rope.scaling.type")
+    factor = _scalar(reader, f"{architecture}.rope.scaling.factor")
+    if factor is None:
+        factor = _scalar(reader, f"{architecture}.rope.scale_linear")
+        kind = kind or ("linear" if factor is not None else None)
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    return str(kind), float(factor if factor is not None else 1.0)
 
 
 def read_index(path: str | os.PathLike) -> GGUFIndex:
@@ -73,4 +101,5 @@ def read_index(path: str | os.PathLike) -> GGUFIndex:
         )
         for t in reader.tensors
     )
-    return GGUFIndex(_architecture(reader, path), entries)
+    architecture = _architecture(reader, path)
+    return GGUFIndex(architecture, entries, _rope_scaling(reader, architecture))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from stemma.loader.gguf import config as gguf_config
 from stemma.loader.gguf.cache import load_metadata
 from stemma.loader.gguf.dequant import check_supported, dequantize
 from stemma.loader.gguf.index import GGUFIndex, TensorEntry
@@ -76,6 +77,14 @@ def _read_tensors(path: Path, index: GGUFIndex, config: PretrainedConfig,
     return tensors
 
 
+def _rope_freqs(path: Path, index: GGUFIndex) -> list[float] | None:
+    entry = next((e for e in index.tensors if e.name == gguf_config.ROPE_FREQS), None)
+    if entry is None:
+        return None
+    raw = np.memmap(path, dtype=np.uint8, mode="r")[entry.offset:entry.offset + entry.nbytes]
+    return dequantize(raw, entry.qtype, entry.shape).flatten().tolist()
+
+
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype) -> GGUFCheckpoint:
     """Config, tokenizer and dequantized weights of the GGUF file at `path`.
 
@@ -88,6 +97,9 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype) -> GGUFCheckpoint:
         raise FileNotFoundError(f"no GGUF file at {path}")
     meta = load_metadata(path)
     tensors = _read_tensors(path, meta.index, meta.config, dtype)
+    factors = _rope_freqs(path, meta.index)
+    if factors is not None:
+        gguf_config.set_rope_freqs(meta.config, factors)
     qtypes = {name: entry.qtype.name for entry in meta.index.tensors
               if (name := hf_name(meta.index.architecture, entry.name)) is not None}
     return GGUFCheckpoint(path, meta.index.architecture, meta.config, meta.tokenizer, tensors, qtypes)

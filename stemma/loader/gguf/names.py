@@ -52,7 +52,7 @@ _LAYER_BY_ARCH = {
 }
 
 # Present in some files, with no parameter in the HF model (transformers skips them too):
-# llama 3's rope_freqs holds the rope scaling factors, which HF derives from the config.
+# llama 3's rope_freqs holds the rope scaling factors, which gguf.config puts in the config.
 _IGNORED = {"rope_freqs.weight"}
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
