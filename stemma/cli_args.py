@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 import types
 import typing
 from dataclasses import MISSING, Field, fields
@@ -22,6 +23,9 @@ from stemma.lang.escapes import unescape
 
 # SGLang's and OpenAI's names, accepted beside stemma's (as .stm accepts max_tokens)
 ALIASES = {"max_new_tokens": ("--max-tokens",), "min_new_tokens": ("--min-tokens",)}
+# flag -> its kind ("bool", "ints", "biases"; "mixed" where subcommands differ): the flags whose
+# values Parser makes explicit, so that they never take the positional argument after them
+_VALUE_FLAGS: dict[str, str] = {}
 
 
 def _kind(cls: type, name: str) -> type | str:
@@ -106,6 +110,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
         default = f.default if f.default is not MISSING else None
         default = (shown_defaults or {}).get(f.name, default)
         common = dict(dest=f.name, default=None, help=_help(f, default, kind))
+        for flag in flags:
+            named = "bool" if kind is bool else kind if kind in ("ints", "biases") else "other"
+            _VALUE_FLAGS[flag] = named if _VALUE_FLAGS.get(flag, named) == named else "mixed"
         if kind == "ints":
             group.add_argument(*flags, type=_ints, nargs="+", action=_Extend, metavar="ID", **common)
         elif kind == "biases":
@@ -141,13 +148,52 @@ def unknown_options(parser: argparse.ArgumentParser, extras: Sequence[str]) -> s
     return "; ".join(parts) + f"; see {parser.prog} --help"
 
 
+def _parses(text: str, parse) -> bool:
+    try:
+        parse(text)
+        return True
+    except argparse.ArgumentTypeError:
+        return False
+
+
+def explicit_values(args: list[str]) -> list[str]:
+    """`args` with the values of true/false and list flags written into them (`--flag=value`),
+    so that argparse never gives such a flag the PROMPT or PROGRAM after it: a true/false flag
+    takes the next argument only when it is true or false (else it means true), a list flag the
+    next ones while they are token ids (ID=BIAS pairs). After `--`, nothing changes."""
+    out, i = [], 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        kind = _VALUE_FLAGS.get(token)
+        if token == "--":
+            return out + [token, *args[i:]]
+        if kind == "bool":
+            if i < len(args) and _parses(args[i], _bool):
+                out.append(f"{token}={args[i]}")
+                i += 1
+            else:
+                out.append(f"{token}=true")
+        elif kind in ("ints", "biases"):
+            parse = _ints if kind == "ints" else _bias
+            values = []
+            while i < len(args) and _parses(args[i], parse):
+                values.append(args[i])
+                i += 1
+            out += [f"{token}={v}" for v in values] or [token]  # none: argparse says what is missing
+        else:
+            out.append(token)
+    return out
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a "did you mean" for an unknown option, reported by the subcommand that
     got it; its value never silently becomes a positional argument, since any unknown option is
     an error."""
 
     def parse_args(self, args=None, namespace=None):
-        ns, extras = self.parse_known_args(args, namespace)
+        ns, extras = self.parse_known_args(explicit_values(sys.argv[1:] if args is None else list(args)),
+                                           namespace)
         if extras:
             self._leaf(ns).error(unknown_options(self._leaf(ns), extras))
         return ns

@@ -96,6 +96,21 @@ def test_list_flags_take_several_values_and_repeat():
     assert proc.returncode == 2 and "expected token ids (7 or 7,8), got 'x'" in proc.stderr
 
 
+def test_flags_before_the_prompt_leave_it_alone():
+    """The usage line's order, `stemma generate [options] PROMPT`: a true/false flag took the
+    prompt as its value ("expected true or false, got 'The capital...'"), a list flag took it as
+    one more item."""
+    ns = build_parser().parse_args(["generate", "--logprobs", "--ignore-eos", "false", "--stop-token-ids",
+                                    "1", "2", "--logit-bias", "5=-1", "The capital of France is"])
+    assert ns.prompt == "The capital of France is"
+    assert collect(ns, SamplingParams) == {"logprobs": True, "ignore_eos": False, "stop_token_ids": [1, 2],
+                                           "logit_bias": [(5, -1.0)]}
+    ns = build_parser().parse_args(["run", "--enable-radix-cache", "examples/qa.stm"])
+    assert ns.program == "examples/qa.stm" and ns.enable_radix_cache is True
+    ns = build_parser().parse_args(["generate", "--stop-token-ids", "7", "--", "42"])  # a numeric prompt
+    assert ns.prompt == "42" and ns.stop_token_ids == [7]
+
+
 # ---- 3. escapes ----
 @pytest.mark.parametrize("typed, read", [
     (r"a\nb", "a\nb"), (r"tab\there", "tab\there"), (r"\\n", "\\n"), (r"\d+", "\\d+"),
