@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from stemma.cli_args import Parser, add_dataclass_args, collect
@@ -10,7 +11,7 @@ from stemma.engine_config import EngineConfig
 from stemma.lang.escapes import unescape
 from stemma.log import LEVELS, configure as configure_logging
 from stemma.progress import elapsed, stage
-from stemma.serve.launch import ServeConfig
+from stemma.serve.launch import API_KEY_ENV, ServeConfig
 from stemma.serve.ray_placement import RayPlacement
 from stemma.serve.router import Routing
 from stemma.serve.supervisor import Supervision
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 # a command line is for trying a model, where the same input should give the same output.
 _GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
 _SERVE_OWN_FLAGS = ("supervision", "routing", "ray")  # ServeConfig fields that are dataclasses with flags of their own
+REMOTE_CONNECT_TIMEOUT_S = 30.0  # as RemoteBackend's
 
 
 def _engine(ns):
@@ -95,7 +97,10 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("backend")
     group.add_argument("--connect", metavar="ADDRESS",
                        help="run on the stemma server at ADDRESS instead: its ZeroMQ port "
-                            "(tcp://host:port) or its HTTP port (http://host:port)")
+                            "(tcp://host:port, ipc://path) or its HTTP port (http://host:port, "
+                            "https://...)")
+    group.add_argument("--api-key", metavar="KEY", default=None,
+                       help="the key of a server started with --api-key (default: $STEMMA_API_KEY)")
     group.add_argument("--backend", choices=("embedded", "engine", "mock"), default="embedded",
                        help="embedded: a private runtime (engine and gateway processes, the "
                             "default); engine: the engine in this process; mock: a deterministic "
@@ -106,8 +111,11 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
 
 def _backend(ns):
     if ns.connect:
+        from stemma.client.sync import connect
         from stemma.lang.backends.remote import RemoteBackend
-        return RemoteBackend(ns.connect)
+        key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+        return RemoteBackend(connect(ns.connect, api_key=key, connect_timeout=REMOTE_CONNECT_TIMEOUT_S),
+                             connect_timeout=REMOTE_CONNECT_TIMEOUT_S)
     if ns.backend == "mock":
         from stemma.lang.backends.mock import MockBackend
         return MockBackend()
@@ -142,20 +150,24 @@ def cmd_run(ns) -> int:
     except (ProgramError, TypeError) as exc:
         print(f"stemma: error: {exc}", file=sys.stderr)
         return 2
+    from stemma.client.core import ServerError
     backend = _backend(ns)
+    last = "\n"
     try:
         state = program.run(backend=backend, sampling=_sampling(ns), stream=True, **variables)
-        last = "\n"
         for delta in state.text_iter():
             sys.stdout.write(delta)
             sys.stdout.flush()
-            last = delta
+            last = delta or last
         if not last.endswith("\n"):
             sys.stdout.write("\n")
         for name, value in state.vars().items():
             print(f"[{name}] {value!r}", file=sys.stderr)
         print(f"[{state.usage()}]", file=sys.stderr)
-    except (ProgramError, ConnectionError) as exc:
+    except (ProgramError, ConnectionError, ServerError) as exc:  # a server's refusal too
+        if not last.endswith("\n"):
+            sys.stdout.write("\n")  # the error on a line of its own, not after the partial text
+            sys.stdout.flush()
         print(f"stemma: error: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(ns.log_level)
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # a bad option, a missing file, a folder for a file, ...
         print(f"stemma: error: {exc}", file=sys.stderr)
         return 2
 

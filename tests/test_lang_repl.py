@@ -120,3 +120,37 @@ def test_repl_commands():
     assert "Write about the sea:" in text and "unknown command :nope" in text
     assert "error: <input>:1:1: gen: unknown SamplingParams fields: max_tokns" in text
     assert repl.execute(":quit") is False
+
+
+def test_a_failing_command_or_an_interrupt_leaves_the_session_going():
+    """:stats with a backend that failed to load ended the REPL (the error went up to main), and
+    Ctrl-C while the model loaded killed it with a traceback."""
+    from concurrent.futures import Future
+
+    class Interrupting(MockBackend):
+        def __init__(self):
+            super().__init__()
+            self.left = 1
+
+        async def stats(self):
+            if self.left:
+                self.left -= 1
+                raise KeyboardInterrupt
+            return await super().stats()
+
+    failed: Future = Future()
+    failed.set_exception(ValueError("model path '/nope.gguf' does not exist"))
+    out = io.StringIO()
+    repl = Repl(failed, DEFAULTS, out=out)
+    assert repl.execute(":stats") and repl.execute(":vars")
+    assert "error: model path '/nope.gguf' does not exist" in out.getvalue()
+    out = io.StringIO()
+    repl = Repl(Interrupting(), DEFAULTS, out=out)
+    assert repl.execute(":stats") and repl.execute(":stats")
+    assert "[interrupted]" in out.getvalue() and "cache hit rate" in out.getvalue()
+
+
+def test_an_unwritable_history_file_falls_back_to_memory(tmp_path):
+    from stemma.lang.repl import _writable
+    assert _writable(str(tmp_path / "history"))
+    assert not _writable(str(tmp_path / "no" / "such" / "dir" / "history"))

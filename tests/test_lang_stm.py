@@ -122,3 +122,38 @@ def test_stemma_run(tmp_path, capsys):
     path.write_text("oops {gen a")
     assert main(["run", str(path), "--backend", "mock"]) == 2
     assert f"{path}:1:6: this '{{' is never closed" in capsys.readouterr().err  # where it opens
+
+
+def test_stemma_run_reports_a_server_s_refusal_on_a_line_of_its_own(tmp_path, monkeypatch, capsys):
+    """A server's refusal (a ServerError: the prompt past --max-prompt-tokens, a wrong API key)
+    was a traceback, and its message was glued to the partial output."""
+    import stemma.cli
+    from stemma.client.core import ServerError
+    from stemma.lang.backends.mock import MockBackend
+
+    class Refusing(MockBackend):
+        async def generate(self, ids, params, on_text=None):
+            raise ServerError("bad_request", "the prompt's length in tokens is 4, more than max_prompt_tokens (3)")
+
+    program = tmp_path / "qa.stm"
+    program.write_text("Q: {question}\nA:{gen answer}")
+    monkeypatch.setattr(stemma.cli, "_backend", lambda ns: Refusing())
+    assert stemma.cli.main(["run", str(program), "--var", "question=hi"]) == 1
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and "Traceback" not in err
+    assert err.startswith("stemma: error: bad_request: the prompt's length")
+
+
+def test_run_and_repl_reach_a_server_that_wants_a_key(monkeypatch):
+    """--connect had no way to give the key of a server started with --api-key."""
+    import stemma.cli
+    from stemma.cli import build_parser
+    ns = build_parser().parse_args(["run", "p.stm", "--connect", "tcp://127.0.0.1:1", "--api-key", "k1"])
+    backend = stemma.cli._backend(ns)
+    assert backend.client._key == b"k1"
+    backend.close()
+    monkeypatch.setenv("STEMMA_API_KEY", "k2")
+    ns = build_parser().parse_args(["repl", "--connect", "tcp://127.0.0.1:1"])
+    backend = stemma.cli._backend(ns)
+    assert backend.client._key == b"k2"
+    backend.close()

@@ -41,7 +41,11 @@ Prompt = str | Sequence[int]
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch ({torch.__version__}) has no CUDA, or no GPU "
+                         "is visible; use device cpu (or auto)")
+    return device
 
 
 def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:

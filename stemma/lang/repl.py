@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -111,10 +112,12 @@ class Repl:
         line = line.strip("\n")
         if not line.strip():
             return True
-        if line.startswith(":"):
-            return self.command(line[1:].strip())
         try:
+            if line.startswith(":"):
+                return self.command(line[1:].strip())
             self.program(line)
+        except KeyboardInterrupt:  # while the model loads, say (a stream stops in program())
+            self.write("\n[interrupted]\n")
         except (ProgramError, ValueError, TypeError, ConnectionError) as exc:
             self.write(f"error: {exc}\n")
         except Exception as exc:  # a failed input is reported; the session goes on
@@ -196,6 +199,10 @@ def run_repl(make_backend: Callable[[], Backend], sampling: dict[str, Any] | Non
     from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.patch_stdout import patch_stdout
     path = default_history() if history is None else history
+    if path and not _writable(path):
+        print(f"stemma: warning: cannot write the history file {path}; this session's history is "
+              "kept in memory only", file=sys.stderr)
+        path = None
     session = PromptSession(history=FileHistory(path) if path else InMemoryHistory())
     print(BANNER, flush=True)
     repl = Repl(load_in_background(make_backend, lambda line: print(line, flush=True)), sampling)
@@ -207,6 +214,15 @@ def run_repl(make_backend: Callable[[], Backend], sampling: dict[str, Any] | Non
             return _loop(repl, session)
     finally:
         repl.close()
+
+
+def _writable(path: str) -> bool:
+    """Whether the history file can be appended to (prompt_toolkit failed on every input else)."""
+    try:
+        with open(path, "ab"):
+            return True
+    except OSError:
+        return False
 
 
 def _loop(repl: Repl, session) -> int:

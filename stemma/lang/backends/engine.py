@@ -55,6 +55,13 @@ async def _settle() -> None:
         await asyncio.sleep(SETTLE_SLICE_S)
 
 
+def _retrieved(task: asyncio.Task) -> None:
+    """Marks what ended a driver as seen: it handles every Exception itself, and an interrupt
+    (Ctrl-C during a step) went up through the loop already; asyncio printed it again at exit."""
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass
 class _Waiter:
     req: Request
@@ -111,7 +118,8 @@ class EngineBackend(Backend):
             self._waiting.setdefault(loop, {})[req.rid] = waiter
         driver = self._drivers.get(loop)
         if driver is None or driver.done():
-            self._drivers[loop] = loop.create_task(self._drive(loop))
+            driver = self._drivers[loop] = loop.create_task(self._drive(loop))
+            driver.add_done_callback(_retrieved)
         return waiter.future
 
     def _drop_closed_loops(self) -> None:
