@@ -6,7 +6,7 @@ import stemma
 from stemma.cli import main
 from stemma.lang.backends.mock import MockBackend
 from stemma.lang.ir import Gen, RoleBegin, RoleEnd, Select, Text, VarRef, Where
-from stemma.lang.stm import compile_nodes
+from stemma.lang.stm import StmSyntaxError, compile_nodes
 
 PROGRAM = '''\
 {system}You are terse.{/system}
@@ -29,6 +29,20 @@ def test_compiles_to_the_ir():
         Text("Right? "), Select("verdict", ("yes", "no way"), "greedy_token"),
         Text(" {braces}\nAgain: "), VarRef("answer", Where(7, 8, "p.stm")), Text("\n"))
     assert stemma.compile_text(PROGRAM).arguments == {"question": Where(3, 11, "<text>")}
+
+
+def test_escapes_of_names_are_text_and_an_option_is_given_once(tmp_path):
+    """\\N{name} is read as Python reads it (its braces were a hole); an option given under
+    SGLang's name and stemma's is an error (the second silently won); an editor's BOM is not
+    text."""
+    assert compile_nodes("20\\N{DEGREE SIGN}C {gen t}", "t") == (Text("20\u00b0C "), Gen("t", ()))
+    assert compile_nodes("a\\{b}", "t") == (Text("a\\"), VarRef("b", Where(1, 3, "t")))  # as before
+    with pytest.raises(StmSyntaxError, match="max_tokens and max_new_tokens are the same option"):
+        compile_nodes("{gen x max_tokens=2 max_new_tokens=3}", "t")
+    path = tmp_path / "bom.stm"
+    path.write_bytes("\ufeffHello {gen x}".encode("utf-8"))
+    from stemma.lang.stm import load
+    assert load(path).nodes[0] == Text("Hello ")
 
 
 @pytest.mark.parametrize("source, value", [

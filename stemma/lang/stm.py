@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 OptionValue: TypeAlias = "str | int | float | bool | list[OptionValue] | None"  # a literal in a hole
 
-ALIASES = {"max_tokens": "max_new_tokens"}
 KEYWORDS = ("gen", "select", *ROLES)
 
 
@@ -187,7 +186,7 @@ def _compile_hole(hole: _Hole) -> Node:
         var = hole.flags[0] if hole.flags else None
         try:
             if head == "gen":
-                return gen(var, **{ALIASES.get(k, k): v for k, v in hole.options.items()})
+                return gen(var, **hole.options)  # gen takes max_tokens, and refuses it beside max_new_tokens
             return _select(var, hole.options)
         except (ValueError, TypeError) as exc:
             raise StmSyntaxError(f"{head}: {exc}", where) from None
@@ -320,4 +319,4 @@ def compile_text(source: str, name: str = "<text>") -> TextFunction:
 def load(path: str | Path) -> TextFunction:
     """A runnable program from a .stm file."""
     path = Path(path)
-    return compile_text(path.read_text(encoding="utf-8"), str(path))
+    return compile_text(path.read_text(encoding="utf-8-sig"), str(path))  # an editor's BOM is not text
