@@ -43,6 +43,9 @@ _LAZY = {
 }
 
 
+__all__ = sorted(_LAZY)  # `from stemma import *` (loads each, torch with the engine's)
+
+
 def __getattr__(name):
     if name in _LAZY:
         module_name, attr = _LAZY[name]

@@ -50,8 +50,9 @@ def _print_outputs(prompt: str, outs: list, decode) -> None:
             print(f"--- output {i + 1} of {len(outs)} ({out.finish_reason}) ---")
         print(prompt + out.text)
         if out.logprobs or out.top_logprobs:
-            print("--- logprobs: token, logprob" + (", top alternatives" if out.top_logprobs else "")
-                  + " ---")
+            columns = ["token", *(["logprob"] if out.logprobs else []),
+                       *(["top alternatives"] if out.top_logprobs else [])]
+            print(f"--- logprobs: {', '.join(columns)} ---")
             print("\n".join(_logprob_lines(out, decode)))
 
 

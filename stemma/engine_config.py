@@ -54,11 +54,12 @@ class EngineConfig:
     batching: str = one_of("continuous", BATCHING, "continuous: requests join and leave every "
                            "step; dynamic: a batch forms when none runs; static: fixed batches "
                            "run to the end")
-    compile_decode: str = one_of("auto", ("auto", "on", "off"), "the one-row decode forward "
-                                 "compiled by torch.compile (Inductor), CPU only; auto: compiled "
-                                 "in the background after load and kept if it measures faster "
-                                 "(STEMMA_COMPILE=0: off); on: compiled at load "
-                                 "(stemma.executor.compiled_decode)")
+    compile_decode: str = one_of("auto", ("auto", "on", "off"), "decode forwards compiled by "
+                                 "torch.compile (Inductor), one graph per bucket of batch sizes; "
+                                 "auto (CPU only): after the first 128 decode forwards, each bucket "
+                                 "met is compiled in the background and kept if it measures faster "
+                                 "(STEMMA_COMPILE=0: off); on: the one-request graph at load, the "
+                                 "others when first met (stemma.executor.compiled_decode)")
     dynamic_wait_ms: float = doc(20.0, "dynamic batching: how long a batch waits to fill")
     enable_radix_cache: bool = doc(True, "reuse the KV of every shared prefix (the radix cache)")
     attention_backend: str = one_of("auto", ("auto", *ATTENTION_BACKENDS.names()),

@@ -297,6 +297,9 @@ def test_dir_stemma_lists_each_public_name_once():
     assert len(names) == len(set(names))
     assert not {"os", "import_module", "lang", "_LAZY"} & set(names)
     assert {"gen", "select", "function", "Engine", "connect", "__version__"} <= set(names)
+    star: dict = {}
+    exec("from stemma import *", star)  # imported nothing: the names are lazy, and there was no __all__
+    assert {"gen", "select", "function", "connect", "set_default_backend"} <= set(star)
 
 
 # ---- 9. the README ----

@@ -40,12 +40,18 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass(frozen=True)
 class ServeConfig:
-    host: str = "127.0.0.1"          # other hosts expose the server: set an API key then
-    port: int = 30000                # HTTP: the OpenAI-compatible API, /metrics, /dashboard
-    zmq_port: int = 30001            # ZeroMQ: stemma's own protocol (stemma.connect("tcp://..."))
-    api_key: str | None = None       # a shared token checked on every message (or $STEMMA_API_KEY)
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # also the HTTP body limit
-    served_model_name: str | None = None  # the model id of the OpenAI API (default: its file name)
+    host: str = doc("127.0.0.1", "the address both ports listen on; any other exposes the server "
+                                 "beyond this machine: set an API key then")
+    port: int = doc(30000, "the HTTP port: the OpenAI-compatible API, stemma's own routes, "
+                           "/metrics and /dashboard")
+    zmq_port: int = doc(30001, "the ZeroMQ port: stemma's own protocol "
+                               "(stemma.connect(\"tcp://host:port\"))")
+    api_key: str | None = doc(None, f"a shared key every request must carry (HTTP: Authorization: "
+                                    f"Bearer KEY); not given: ${API_KEY_ENV}, else none")
+    max_frame_bytes: int = doc(DEFAULT_MAX_FRAME_BYTES, "the largest ZeroMQ message taken, and the "
+                                                        "largest HTTP body")
+    served_model_name: str | None = doc(None, "the model id of the OpenAI API; not given: the "
+                                              "model's file or folder name")
     supervision: Supervision = field(default_factory=Supervision)  # engine restarts (own flags)
     dp: int = doc(1, "engine replicas (data parallel), each on its own share of the cores, "
                      "behind one gateway that routes each request to one of them")
