@@ -82,6 +82,11 @@ def test_stop_token_ids(engine):
     kept = params.replace(include_stop_str_in_output=True)  # vLLM's: what ended it stays
     three = engine.generate("ka lo mi", GREEDY.replace(max_new_tokens=3)).text
     assert engine.generate("ka lo mi", kept).text == three == "".join(engine.stream("ka lo mi", kept))
+    # with stop strings the output's text is their stream's: the ending token went in too
+    kept = kept.replace(stop=["never written"])
+    assert engine.generate("ka lo mi", kept).text == three == "".join(engine.stream("ka lo mi", kept))
+    dropped = params.replace(stop=["never written"])
+    assert engine.generate("ka lo mi", dropped).text == shown == "".join(engine.stream("ka lo mi", dropped))
 
 
 def test_min_new_tokens_holds_stop_strings(engine):

@@ -25,13 +25,14 @@ class StopRule:
         matched on the detokenized text across token boundaries (the text is trimmed there).
         """
         p = req.params
+        stream = None
+        if p.stop and self.tokenizer is not None:  # every token goes in, the one that ends it too:
+            stream = stop_stream(req, self.tokenizer, self.eos_token_ids)  # the output's text is
+            stream.push([token])                                     # this stream's (Engine._text)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if p.stop and self.tokenizer is not None:
-            stream = stop_stream(req, self.tokenizer, self.eos_token_ids)
-            stream.push([token])
-            if stream.stopped is not None:
-                return "stop"
+        if stream is not None and stream.stopped is not None:
+            return "stop"
         if len(req.output_ids) >= p.max_new_tokens or len(req.tokens) >= self.max_context:
             return "length"
         return None
