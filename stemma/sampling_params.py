@@ -225,12 +225,16 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only (tuples become lists), for the wire codec."""
+    def to_dict(self, omit_defaults: bool = False) -> dict[str, Any]:
+        """Plain types only (tuples become lists). `omit_defaults`: only the fields that differ
+        from their defaults (from_dict restores the rest), as the wire carries them: a side that
+        predates a field still reads every request that leaves it at its default."""
         out = asdict(self)
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        if omit_defaults:
+            out = {f.name: out[f.name] for f in fields(self) if getattr(self, f.name) != f.default}
         return out
 
     @classmethod

@@ -128,3 +128,14 @@ def test_the_client_does_not_import_torch():
     code = ("import sys, stemma; stemma.connect('tcp://127.0.0.1:9').close(); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_sampling_params_travel_without_their_defaults():
+    """A field at its default is left off the wire: a side that predates the field (an older
+    gateway, whose SamplingParams refuses unknown fields) still reads the request."""
+    from stemma.protocol.codec import to_wire
+    plain = P.GenerateReq(rid="r", input_ids=[1])
+    assert to_wire(plain)["params"] == {}
+    set_ = P.GenerateReq(rid="r", input_ids=[1], params=SamplingParams(temperature=0.0, stop=["\n"]))
+    assert to_wire(set_)["params"] == {"temperature": 0.0, "stop": ["\n"]}
+    assert P.decode(P.encode(set_)) == set_ and P.decode(P.encode(plain)) == plain

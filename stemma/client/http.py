@@ -63,7 +63,7 @@ def request_body(prompt: Prompt, params: Params, stream: bool, rid: str | None, 
     msg = generate_request(prompt, params, stream, rid, salt, call)
     if program is not None:
         P.GenerateReq(rid=msg.rid, input_ids=[0], program=program)  # checks its length
-    body = {"text": msg.prompt, "input_ids": msg.input_ids, "sampling_params": msg.params.to_dict(),
+    body = {"text": msg.prompt, "input_ids": msg.input_ids, "sampling_params": msg.params.to_dict(omit_defaults=True),
             "stream": stream, "rid": msg.rid, "salt": msg.salt, "program": program}
     if call is not None:
         body["program_call"] = call.to_dict()

@@ -39,7 +39,9 @@ def _required(cls: type) -> list[str]:
 def _plain(value: Any) -> Any:
     if isinstance(value, Message):
         return to_wire(value)
-    if isinstance(value, (SamplingParams, ProgramCall)):
+    if isinstance(value, SamplingParams):
+        return value.to_dict(omit_defaults=True)
+    if isinstance(value, ProgramCall):
         return value.to_dict()
     if isinstance(value, list) and value and isinstance(value[0], Message):
         return [to_wire(v) for v in value]
