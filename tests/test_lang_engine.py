@@ -289,3 +289,26 @@ def test_a_kept_stop_token_stays_in_the_program_s_ids(engine, backend):
         state = kept.run(include, backend=backend, sampling=GREEDY)
         assert state["x"] == engine.generate(ids, SamplingParams(max_new_tokens=length, **GREEDY)).text
         assert state.token_ids()[-length:] == plain.token_ids[:length]
+
+
+def test_an_eos_that_is_a_plain_token_leaves_the_program_s_ids(folder, engine, tmp_path):
+    """Its text is left out of the output (as a stop token's): so is its id from what the
+    program goes on from (the ids held an EOS the text never showed)."""
+    import json
+    import shutil
+    prompt = sentence(8)
+    ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
+    plain = engine.generate(ids, SamplingParams(max_new_tokens=6, ignore_eos=True, **GREEDY))
+    at = next(i for i, t in enumerate(plain.token_ids) if i > 0 and t not in plain.token_ids[:i])
+    copy = shutil.copytree(folder, tmp_path / "eos")
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": plain.token_ids[at]}))
+    eos_engine = stemma.Engine(str(copy), dtype="float32", kv_pool_tokens=2048, max_running_requests=4,
+                               attention_backend="torch")
+
+    @stemma.function
+    def ends(s):
+        s += prompt + stemma.gen("x", max_new_tokens=6)
+
+    state = ends.run(backend=EngineBackend(eos_engine), sampling=GREEDY)
+    assert state["x"] == engine.generate(ids, SamplingParams(max_new_tokens=at, **GREEDY)).text
+    assert state.token_ids()[-at - 1:] == [ids[-1], *plain.token_ids[:at]]

@@ -474,7 +474,9 @@ class StateExecutor:
         on_text = self._emit_generated if self.listeners else None
         with self._call():
             out = await self.backend.generate(ids, params, on_text)
-        trimmed = bool(params.stop) and out.finish_reason == "stop"
+        # a stop may have left text out: a stop string, a stop token, or an EOS that is a plain
+        # token (a generation_config's) the settle cannot tell by its id
+        trimmed = out.finish_reason == "stop"
         dropped = () if params.include_stop_str_in_output else params.stop_token_ids  # not in the text
         kept = self.codec.settle(out.token_ids, out.text, trimmed, dropped, ids)
         self._append_generated(out.text, kept, streamed=on_text is not None)

@@ -16,6 +16,7 @@ see whole entries; a crash mid-write leaves at most that hidden sibling behind.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -83,14 +84,29 @@ def _cached_index(target: Path) -> GGUFIndex | None:
         return None
 
 
+def _discard(target: Path) -> None:
+    """Removes an entry not written by us (entries appear whole) or of an older format. Another
+    process may be doing the same (a tensor-parallel rank, a replica): one that finds the entry
+    whole again by now keeps it, and one that finds it gone has nothing to do."""
+    if not target.exists() or _cached_index(target) is not None:
+        return
+    aside = target.with_name(f"{target.name}.stale.{os.getpid()}")
+    try:
+        target.rename(aside)
+    except FileNotFoundError:  # taken aside by another process first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def load_metadata(path: Path) -> CachedMetadata:
     """Config, tokenizer and tensor index for the GGUF file at `path`, building the entry if absent.
     The config has what transformers' leaves out put back (gguf.config)."""
     target = entry_dir(path)
     index = _cached_index(target)
     if index is None:
-        if target.exists():  # not written by us (entries appear whole), or an older format: rebuild
-            shutil.rmtree(target)
+        _discard(target)
+        index = _cached_index(target)  # another process may have written it meanwhile
+    if index is None:
         _write_entry(path, target)
         index = GGUFIndex.from_json((target / INDEX_FILE).read_text())
     else:
