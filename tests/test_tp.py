@@ -55,6 +55,7 @@ def test_logits_match_tp1(folder):
     one, two = make(folder), make(folder, tp=2)
     gap = (logits_of(one) - logits_of(two)).abs().max().item()
     assert gap <= LOGIT_ATOL, gap
+    assert_listening_on_loopback_only(two)
     finish_clean(two)
 
 
@@ -89,16 +90,13 @@ def listening(pid: int) -> list[str]:
     return found
 
 
-@LLAMA_BY_DEFAULT
-def test_the_ranks_listen_on_loopback_only(folder):
-    """The rendezvous was a TCPStore, which listens on every interface whatever host it is given,
-    with no authentication, for the engine's whole life."""
-    two = make(folder, tp=2)
+def assert_listening_on_loopback_only(engine) -> None:
+    """The ranks' sockets: the rendezvous was a TCPStore, which listens on every interface
+    whatever host it is given, with no authentication, for the engine's whole life."""
     loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1, ::1
-    for pid in [os.getpid(), *(proc.pid for proc in two.tp_workers.procs)]:
+    for pid in [os.getpid(), *(proc.pid for proc in engine.tp_workers.procs)]:
         addresses = listening(pid)
         assert all(a.startswith(loopback) for a in addresses), (pid, addresses)
-    finish_clean(two)
 
 
 @LLAMA_BY_DEFAULT
