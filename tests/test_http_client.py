@@ -2,6 +2,7 @@
 llama, side by side with the ZeroMQ client of the same server: the same outputs, streams,
 errors and aborts, and frontend programs that run unchanged over it."""
 import asyncio
+import threading
 import time
 
 import pytest
@@ -315,3 +316,31 @@ def test_unreachable_http_server_is_named():
     with pytest.raises(stemma.BackendUnreachable, match=rf"server at http://127.0.0.1:{port} is unreachable"):
         program.run(topic="x", backend=backend)
     backend.close()
+
+
+def test_an_async_stream_aborted_before_its_headers_ends_as_aborted():
+    """The server sends a stream's headers with the engine's first reply: aborting (or closing)
+    a stream still queued cancelled the send under its reader, and the caller got a
+    CancelledError instead of the stream's end (the ZeroMQ client ends it as aborted)."""
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    held = []
+    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()  # never answers
+
+    async def main():
+        client = HttpClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=10)
+        stream = client.astream("hi", {"max_new_tokens": 4}, rid="r1")
+
+        async def consume():
+            return [delta async for delta in stream]
+
+        reading = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        await client.aabort("r1")
+        return await asyncio.wait_for(reading, 5), stream.output
+
+    deltas, output = asyncio.run(main())
+    assert deltas == [] and output.finish_reason == "abort"
+    listener.close()

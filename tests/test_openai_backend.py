@@ -2,13 +2,14 @@
 on a tiny random llama, compared with the native backend on the same server; and a small fake
 server that returns no logprobs, for the error select gives there."""
 import asyncio
+import json
 import threading
 import time
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 import stemma
 from stemma.lang.backends.openai import CharCodec, OpenAIBackend, OpenAIBackendError, messages_of
@@ -248,6 +249,9 @@ def fake_app(seen: list[dict]) -> FastAPI:
             return JSONResponse({"error": {"message": "max_tokens must be at least 1",
                                            "type": "invalid_request_error"}}, status_code=400)
         prompt = body["prompt"] if isinstance(body["prompt"], str) else ""
+        if body.get("stream"):  # one event, then the body ends without [DONE] (a cut stream)
+            event = {"choices": [{"index": 0, "text": "partial", "finish_reason": None}]}
+            return StreamingResponse(iter([f"data: {json.dumps(event)}\n\n"]), media_type="text/event-stream")
         text = prompt if body.get("echo") else ""
         return {"choices": [{"index": 0, "text": text + " fake reply", "logprobs": None,
                              "finish_reason": "length"}],
@@ -314,3 +318,13 @@ def test_unreachable_server_is_named():
         OpenAIBackend("http://x/v1", "m", mode="fast")
     with pytest.raises(ValueError, match="takes no tokenizer"):
         OpenAIBackend("http://x/v1", "m", mode="chat", tokenizer="/nowhere")
+
+
+def test_a_stream_cut_short_is_an_error(fake):
+    """An SSE body that ends without [DONE] (a server gone, a proxy cut) was a successful gen of
+    partial text with no finish reason (the native HTTP client says connection lost)."""
+    url, _ = fake
+    backend = OpenAIBackend(url)
+    with pytest.raises(OpenAIBackendError, match=r"ended before \[DONE\]"):
+        asyncio.run(backend.generate([ord(c) for c in "hello"], SamplingParams(max_new_tokens=4),
+                                     on_text=lambda text: None))

@@ -233,6 +233,13 @@ def test_spread_answers_merge_into_one_reply():
     assert [(n["id"], n["parent"], n["replica"]) for n in merged.nodes] == [(0, None, 0), (1, 0, 0),
                                                                             (2, None, 2)]
     assert merged.requests == [{"rid": "a", "replica": 0}]
+    spec = {i: P.Info(rid="g2", model="m", context_length=8, vocab_size=9,
+                      stats={"spec_proposed": proposed, "spec_accepted": 90, "spec_steps": steps,
+                             "spec_acceptance_rate": 90 / proposed, "spec_mean_accepted": 90 / steps})
+            for i, (proposed, steps) in enumerate([(100, 50), (900, 450)])}
+    stats = merge(spec, {}).stats  # the rates of the summed counts: they were replica 0's
+    assert stats["spec_acceptance_rate"] == pytest.approx(180 / 1000)
+    assert stats["spec_mean_accepted"] == pytest.approx(180 / 500)
 
 
 def test_the_metrics_show_each_replica_and_the_router():

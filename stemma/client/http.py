@@ -367,6 +367,10 @@ class AsyncHttpStream:
                 line = await self._lines.__anext__()
             except StopAsyncIteration:
                 line = None
+            except asyncio.CancelledError:
+                if self._aborted or not self._open:  # abort()/close() cancelled the send (no
+                    break                             # headers yet): the stream ends, not the caller
+                raise
             except Exception as exc:
                 if self._aborted:  # abort() closed the connection under this read
                     break

@@ -55,6 +55,12 @@ def merge_stats(by_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
     prompt, cached = out.get("prompt_tokens"), out.get("cached_tokens")
     if isinstance(prompt, int) and isinstance(cached, int):
         out["cache_hit_rate"] = cached / prompt if prompt else 0.0
+    # the speculation rates of the summed counts (replica 0's alone were reported)
+    proposed, accepted, steps = out.get("spec_proposed"), out.get("spec_accepted"), out.get("spec_steps")
+    if isinstance(proposed, int) and isinstance(accepted, int):
+        out["spec_acceptance_rate"] = accepted / proposed if proposed else 0.0
+    if isinstance(steps, int) and isinstance(accepted, int):
+        out["spec_mean_accepted"] = accepted / steps if steps else 0.0
     out["replicas"] = [{"replica": i, **by_replica[i]} for i in sorted(by_replica)]
     return out
 

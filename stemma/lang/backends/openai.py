@@ -319,6 +319,8 @@ class OpenAIBackend(Backend):
                                                  f"while streaming: {message}")
                     if isinstance(event, dict):
                         yield event
+                raise OpenAIBackendError(f"the stream of {path} from {self.base_url} ended before "
+                                         "[DONE]: the server or a proxy cut it short")
         except httpx2.TransportError as exc:
             raise self._unreachable(exc) from exc
 
