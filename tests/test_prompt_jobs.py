@@ -109,3 +109,20 @@ def test_peers_take_turns():
         assert [w for w in order if w.startswith("f")] == [f"f{i}" for i in range(6)]  # each peer's in order
     finally:
         jobs.close()
+
+
+def test_the_text_waiting_is_bounded(monkeypatch):
+    """Each frame is bounded, their number was not: a client that never reads could make the
+    gateway hold gigabytes of prompts. Past the bound the gateway answers `overloaded`."""
+    from stemma.serve import prompt_jobs
+    monkeypatch.setattr(prompt_jobs, "MAX_QUEUED_CHARS", 3 * len(LONG))
+    tok, jobs = SlowTokenizer(), PromptJobs()
+    try:
+        for rid in "abc":
+            assert not jobs.full(req(rid)) and jobs.submit(b"p", req(rid), tok)
+        assert jobs.full(req("d"))
+        tok.go.set()
+        finished(jobs, 3)
+        assert not jobs.full(req("d"))  # tokenized: no longer held
+    finally:
+        jobs.close()

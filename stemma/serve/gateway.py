@@ -559,7 +559,10 @@ class Gateway:
     def on_generate(self, peer: bytes | int, msg: P.GenerateReq) -> None:
         if PromptJobs.wanted(msg, self.tokenizer):
             taken = self.routes.find(peer, msg.rid) is not None
-            if taken or not self.prompt_jobs.submit(peer, msg, self.tokenizer):
+            if self.prompt_jobs.full(msg):
+                self.error(peer, msg.rid, P.OVERLOADED, "too many long prompts are waiting to be "
+                           "tokenized; try again later")
+            elif taken or not self.prompt_jobs.submit(peer, msg, self.tokenizer):
                 self.error(peer, msg.rid, P.BAD_REQUEST, in_flight(msg.rid))
             return
         try:

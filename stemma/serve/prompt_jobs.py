@@ -17,6 +17,7 @@ from stemma import protocol as P
 from stemma.text.tokenizer import encode_prompt
 
 INLINE_CHARS = 8192  # text prompts up to this many characters are tokenized on the loop
+MAX_QUEUED_CHARS = 256 * 2**20  # text waiting for the worker, all clients together: past it, `overloaded`
 
 
 @dataclass
@@ -45,6 +46,12 @@ class PromptJobs:
 
     def __bool__(self) -> bool:
         return bool(self.jobs)
+
+    def full(self, msg: P.GenerateReq) -> bool:
+        """Whether taking `msg` would hold more than MAX_QUEUED_CHARS of prompts (each frame is
+        bounded, their number was not: a client that never reads could pile up gigabytes)."""
+        held = sum(len(job.msg.prompt) for job in self.jobs.values() if not job.ids.done())
+        return held + len(msg.prompt) > MAX_QUEUED_CHARS
 
     @staticmethod
     def wanted(msg: P.GenerateReq, tokenizer: Any) -> bool:
