@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 # a command line is for trying a model, where the same input should give the same output.
 _GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0}
 _SERVE_OWN_FLAGS = ("supervision", "routing", "ray")  # ServeConfig fields that are dataclasses with flags of their own
-REMOTE_CONNECT_TIMEOUT_S = 30.0  # as RemoteBackend's
 
 
 def _engine(ns):
@@ -112,11 +111,8 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
 
 def _backend(ns):
     if ns.connect:
-        from stemma.client.sync import connect
-        from stemma.lang.backends.remote import RemoteBackend
-        key = ns.api_key or os.environ.get(API_KEY_ENV) or None
-        return RemoteBackend(connect(ns.connect, api_key=key, connect_timeout=REMOTE_CONNECT_TIMEOUT_S),
-                             connect_timeout=REMOTE_CONNECT_TIMEOUT_S)
+        from stemma.lang.backends.remote import RuntimeEndpoint
+        return RuntimeEndpoint(ns.connect, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None)
     if ns.backend == "mock":
         from stemma.lang.backends.mock import MockBackend
         return MockBackend()
