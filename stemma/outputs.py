@@ -17,4 +17,11 @@ class RequestOutput:
     meta: dict[str, Any] = field(default_factory=dict)        # prompt_tokens, cached_tokens,
                                                               # completion_tokens, ttft, latency,
                                                               # queue_time, itl (one per output
-                                                              # token after the first), retractions
+                                                              # token after the first), retractions,
+                                                              # stop_reason (when a stop ended it)
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """The stop string or stop token id that ended the sequence; None for EOS, length or a
+        constraint's end (vLLM's CompletionOutput.stop_reason)."""
+        return self.meta.get("stop_reason")

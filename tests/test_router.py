@@ -255,9 +255,9 @@ def test_the_metrics_show_each_replica_and_the_router():
     text = metrics.render().decode()
     assert "stemma:num_requests_running 3.0" in text  # the sum
     assert 'stemma:replica_num_requests_running{replica="1"} 2.0' in text
-    assert 'stemma:replica_cached_tokens{replica="1"} 1.0' in text
-    assert 'stemma:router_requests{replica="0"} 1.0' in text
-    assert 'stemma:router_decisions{reason="load"} 1.0' in text
+    assert 'stemma:replica_cached_tokens_total{replica="1"} 1.0' in text
+    assert 'stemma:router_requests_total{replica="0"} 1.0' in text
+    assert 'stemma:router_decisions_total{reason="load"} 1.0' in text
     assert 'stemma:router_tree_tokens{replica="0",tree="approx"} 2.0' in text
 
 
@@ -272,3 +272,14 @@ def test_the_dashboard_rows_name_their_replica():
     assert [r["replica"] for r in request_rows(merged.requests)] == [0, 1]
     page = (Path(__file__).parents[1] / "stemma/serve/http/dashboard.html").read_text()
     assert '" on replica " + r.replica' in page and '"replica " + n.replica' in page
+
+
+def test_running_totals_are_counters_that_an_engine_restart_does_not_count_twice():
+    from stemma.serve.metrics import Metrics
+    metrics = Metrics()
+    for proposed in (10, 25, 4, 9):  # the engine restarted after 25 and counts from 0 again
+        metrics.on_stats({"spec_proposed": proposed, "programs_ended": 2})
+    text = metrics.render().decode()
+    assert "stemma:spec_decode_num_draft_tokens_total 30.0" in text  # 10, +15, 4 the new base, +5
+    assert "stemma:num_programs_ended_total 2.0" in text
+    assert "# TYPE stemma:spec_decode_num_draft_tokens_total counter" in text

@@ -143,10 +143,13 @@ class RadixCache:
         return True
 
     def usage(self) -> dict[str, int | float]:
-        """The pool's slots: total, free, held by the tree, and the share in use."""
+        """The pool's slots: total, free, held by the tree, the share not free (`pool_usage`),
+        and the share that running requests hold, the tree's evictable slots counted as free
+        (`kv_usage`: vLLM's kv_cache_usage_perc, SGLang's token_usage)."""
         alloc = self.allocator
         return {"pool_total": alloc.total, "pool_free": alloc.available,
-                "pool_cached": self.tree.total_size, "pool_usage": 1.0 - alloc.available / alloc.total}
+                "pool_cached": self.tree.total_size, "pool_usage": 1.0 - alloc.available / alloc.total,
+                "kv_usage": 1.0 - (alloc.available + self.tree.evictable_size) / alloc.total}
 
     def check_pool_whole(self, held_by_requests: int) -> None:
         """Asserts free + tree-held + held_by_requests == total, where `held_by_requests` counts

@@ -23,6 +23,8 @@ def request_meta(req: Request) -> dict[str, Any]:
     }
     if req.slo is not None:  # its targets, what it got, which it met (stemma.engine.slo)
         meta["slo"] = req.slo
+    if req.stop_reason is not None:  # the stop string or stop token id that ended it
+        meta["stop_reason"] = req.stop_reason
     if req.error is not None:  # finish_reason "error": why (a constraint that failed to build)
         meta["error"] = req.error
     return meta

@@ -56,6 +56,7 @@ class Request:
     kv_len: int = 0
     cached_tokens: int = 0           # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
     error: str | None = None
     fault: bool = False              # it ended "error" from a fault while serving it (an exception
                                      # in the engine), not from its input: an internal error

@@ -29,9 +29,13 @@ class StopRule:
         if p.stop and self.tokenizer is not None:  # every token goes in, the one that ends it too:
             stream = stop_stream(req, self.tokenizer, self.eos_token_ids)  # the output's text is
             stream.push([token])                                     # this stream's (Engine._text)
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            req.stop_reason = token
             return "stop"
         if stream is not None and stream.stopped is not None:
+            req.stop_reason = stream.stopped
             return "stop"
         if len(req.output_ids) >= p.max_new_tokens or len(req.tokens) >= self.max_context:
             return "length"

@@ -6,7 +6,7 @@ With one replica the answer is the reply, unchanged. With several:
 - Info: `stats` holds each replica's own under "replicas" (in replica order, each with its index
   under "replica") and the router's
   under "router"; at the top, counts (ints) are summed, `cache_hit_rate` is recomputed from the
-  summed tokens, `pool_usage` is the mean, `pool_whole` holds only if it holds everywhere, and any
+  summed tokens, `pool_usage` and `kv_usage` are the means, `pool_whole` holds only if it holds everywhere, and any
   other value is the first replica's;
 - FlushDone: ok only if every replica flushed;
 - CacheTree: the replicas' nodes one after the other (ids shifted to stay unique), each node and
@@ -46,7 +46,7 @@ def merge_stats(by_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
         values = [s.get(key) for s in stats]
         if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             out[key] = sum(values)
-        elif key == "pool_usage" and all(isinstance(v, (int, float)) for v in values):
+        elif key in ("pool_usage", "kv_usage") and all(isinstance(v, (int, float)) for v in values):
             out[key] = sum(values) / len(values)
         elif key == "pool_whole":
             out[key] = all(v is True for v in values)

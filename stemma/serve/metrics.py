@@ -3,7 +3,9 @@
 The gateway observes every generate request, whichever front (ZeroMQ or HTTP) it came by:
 - from each finished sequence's meta (measured in the engine): TTFT, one inter-token latency per
   output token after the first, end-to-end latency, queue time, and its token counts;
-- from the engine's stats, polled by the gateway (never by a scrape): the gauges.
+- from the engine's stats, polled by the gateway (never by a scrape): the gauges, and counters for
+  the running totals among them (speculated and accepted tokens, ended programs, the router's
+  decisions), as Prometheus's rate() reads them.
 A sequence is one of a request's `n`; counts are per sequence, as the engine's counters are.
 Scraping only reads this registry (on the HTTP thread); it never waits on the engine.
 """
@@ -23,18 +25,41 @@ GAUGES = {  # gauge suffix -> the engine stats key it shows
     "num_requests_running": "running",
     "num_requests_waiting": "queue",
     "num_grammar_queue_reqs": "grammar_queue",
-    "kv_cache_usage_perc": "pool_usage",
+    "kv_cache_usage_perc": "kv_usage",  # evictable cached slots count as free, as vLLM's
     "cache_hit_rate": "cache_hit_rate",
-    # programs (stemma.engine.programs): live ones, those paused with KV retained, ended ones
+    # programs (stemma.engine.programs): live ones, those paused with KV retained
     "num_programs_live": "programs_live",
     "num_programs_retained": "programs_retained",
-    "num_programs_ended": "programs_ended",
-    # speculative decoding (engines with speculative on): cumulative counts and rates
-    "spec_decode_num_draft_tokens": "spec_proposed",
-    "spec_decode_num_accepted_tokens": "spec_accepted",
+    # speculative decoding (engines with speculative on): rates
     "spec_decode_draft_acceptance_rate": "spec_acceptance_rate",
     "spec_decode_mean_accepted_length": "spec_mean_accepted",
 }
+TOTALS = {  # counter name (exported with _total) -> the engine stats key of the running total it follows
+    "num_programs_ended": "programs_ended",
+    "spec_decode_num_draft_tokens": "spec_proposed",
+    "spec_decode_num_accepted_tokens": "spec_accepted",
+}
+
+
+class FollowedTotal:
+    """A counter that follows a running total read from stats (by labels): it grows by the
+    total's increase since the last read. A total that fell (its engine restarted and counts
+    again from 0) is taken as the new base, adding nothing, so a summed total over replicas is
+    not counted twice when one of them restarts."""
+
+    def __init__(self, counter: Counter):
+        self.counter = counter
+        self.last: dict[tuple, float] = {}
+
+    def follow(self, value: float, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        last = self.last.get(key)
+        self.last[key] = value
+        child = self.counter.labels(**labels) if labels else self.counter
+        if last is None:
+            last = 0
+        if value > last:
+            child.inc(value - last)
 
 
 class Metrics:
@@ -64,6 +89,8 @@ class Metrics:
         self.retractions = counter("retractions_total", "Retractions of finished sequences.")
         self.gauges = {suffix: Gauge(PREFIX + suffix, f"The engine's {key}.", registry=r)
                        for suffix, key in GAUGES.items()}
+        self.totals = {suffix: FollowedTotal(counter(suffix, f"The engine's {key}."))
+                       for suffix, key in TOTALS.items()}
         # latency targets (stemma.engine.slo): per priority, from each finished sequence's meta
         self.slo_requests = counter("slo_requests_total", "Finished sequences that had a latency "
                                     "target, by priority.", ("priority",))
@@ -79,15 +106,15 @@ class Metrics:
         self.replica_gauges = {suffix: Gauge(PREFIX + "replica_" + suffix, f"One replica's {key}.",
                                              ("replica",), registry=r)
                                for suffix, key in GAUGES.items()}
-        self.replica_prompt = Gauge(PREFIX + "replica_prompt_tokens", "Prompt tokens one replica "
-                                    "has taken in.", ("replica",), registry=r)
-        self.replica_cached = Gauge(PREFIX + "replica_cached_tokens", "Of those, the ones its "
-                                    "cache served.", ("replica",), registry=r)
-        self.routed = Gauge(PREFIX + "router_requests", "Requests the router sent to each "
-                            "replica.", ("replica",), registry=r)
-        self.route_reasons = Gauge(PREFIX + "router_decisions", "The router's decisions by reason "
-                                   "(cache, load, balance, program, round_robin, least_load).",
-                                   ("reason",), registry=r)
+        replica_totals = {**TOTALS, "prompt_tokens": "prompt_tokens", "cached_tokens": "cached_tokens"}
+        self.replica_totals = {key: FollowedTotal(counter("replica_" + suffix, f"One replica's {key}.",
+                                                          ("replica",)))
+                               for suffix, key in replica_totals.items()}
+        self.routed = FollowedTotal(counter("router_requests", "Requests the router sent to each "
+                                            "replica.", ("replica",)))
+        self.route_reasons = FollowedTotal(counter("router_decisions", "The router's decisions by "
+                                                   "reason (cache, load, balance, program, "
+                                                   "round_robin, least_load).", ("reason",)))
         self.router_tree = Gauge(PREFIX + "router_tree_tokens", "Tokens in the router's view of "
                                  "each replica's cache, by tree (exact, approx).",
                                  ("replica", "tree"), registry=r)
@@ -120,19 +147,23 @@ class Metrics:
         for suffix, key in GAUGES.items():
             if key in stats:
                 self.gauges[suffix].set(stats[key])
+        for suffix, key in TOTALS.items():
+            if key in stats:
+                self.totals[suffix].follow(stats[key])
         for replica in stats.get("replicas") or ():
             label = str(replica["replica"])
             for suffix, key in GAUGES.items():
                 if key in replica:
                     self.replica_gauges[suffix].labels(replica=label).set(replica[key])
-            self.replica_prompt.labels(replica=label).set(replica.get("prompt_tokens", 0))
-            self.replica_cached.labels(replica=label).set(replica.get("cached_tokens", 0))
+            for key, total in self.replica_totals.items():
+                if key in replica:
+                    total.follow(replica[key], replica=label)
         router = stats.get("router")
         if router:
             for i, count in enumerate(router["routed"]):
-                self.routed.labels(replica=str(i)).set(count)
+                self.routed.follow(count, replica=str(i))
             for reason, count in router["reasons"].items():
-                self.route_reasons.labels(reason=reason).set(count)
+                self.route_reasons.follow(count, reason=reason)
             for tree, sizes in router["tree_tokens"].items():
                 for i, size in enumerate(sizes):
                     self.router_tree.labels(replica=str(i), tree=tree).set(size)

@@ -2,7 +2,7 @@
 model without one, the frontend's documented plain fallback (stemma.lang.chat_template), whose
 turns end at the next `User:` / `System:` line; then as completions, with chat's shapes.
 
-Message content is a string or a list of text parts (joined). `developer` is taken as `system`.
+Message content is a string or a list of text parts (joined by newlines, as vLLM joins them). `developer` is taken as `system`.
 Tools and forced tool calls: stemma.serve.http.tools.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _content(msg: ChatMessage) -> str:
         return ""
     if isinstance(msg.content, str):
         return msg.content
-    return "".join(part.text for part in msg.content)
+    return "\n".join(part.text for part in msg.content)  # as vLLM joins text parts
 
 
 def as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -109,6 +109,7 @@ def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], templat
     if req.top_logprobs and not req.logprobs:
         raise bad_field("top_logprobs", "top_logprobs needs logprobs: true")
     prompts = [G.Prompt(ids)]
+    field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     extra: dict[str, Any] = {}
     if req.logprobs:
@@ -119,7 +120,7 @@ def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], templat
             raise bad_field("tool_choice", "a forced tool call constrains the reply to the tool's "
                                            "parameters: it takes no response_format, regex or guided_* too")
         extra["json_schema"] = forced.schema
-    params = params_of(req, G.max_tokens_for(state, prompts, requested), **extra)
+    params = params_of(req, G.max_tokens_for(state, prompts, requested, field_name), **extra)
     return G.start(state, prompts, params, req.stream, call=req.program_call,
                    constraint=None if forced is None else "tool_choice")
 
@@ -144,6 +145,7 @@ def _base(state: HttpState, run: G.Run, kind: str) -> dict:
 
 async def create(state: HttpState, req: ChatCompletionRequest, request: Request):
     check_model(req.model, state.model_names())
+    G.check_stream_options(req)
     forced = forced_tools(req.tools, req.tool_choice)
     ids, template = await G.off_loop(render, state, as_dicts(req.messages), req.add_generation_prompt,
                                      req.continue_final_message, req.tools)
@@ -157,7 +159,8 @@ async def create(state: HttpState, req: ChatCompletionRequest, request: Request)
             choices.append({"index": run.choice(o), "message": message,
                             "logprobs": _logprobs(state, o.token_ids, o.logprobs, o.top_logprobs)
                             if want_logprobs else None,
-                            "finish_reason": _finish_reason(o.finish_reason, message, forced)})
+                            "finish_reason": _finish_reason(o.finish_reason, message, forced),
+                            "stop_reason": G.stop_reason(o)})
         return {**_base(state, run, "chat.completion"), "choices": choices, "usage": G.usage(run, outs)}
 
     return await G.respond(request, run, lambda: _stream(state, req, run, forced), body)
@@ -182,14 +185,14 @@ async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run,
                   forced: ForcedTools | None) -> AsyncIterator[str]:
     """Content deltas as they come; a forced tool call's reply is held until it is whole (its
     calls parsed) and sent as one `tool_calls` delta."""
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = G.StreamUsage(run, req.stream_options)
     want_logprobs = req.logprobs
     base = _base(state, run, "chat.completion.chunk")
-    extra = {"usage": None} if include_usage else {}
 
-    def chunk(index: int, delta: dict, logprobs=None, reason=None) -> str:
+    def chunk(index: int, delta: dict, logprobs=None, reason=None, stop_reason=None) -> str:
         return G.sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": reason}], **extra})
+                                           "finish_reason": reason, "stop_reason": stop_reason}],
+                      **usage.field(index)})
 
     outs: list[P.Finished | None] = [None] * run.choices
     held = [("", []) for _ in range(run.choices)]  # a forced tool call's text and logprobs so far
@@ -199,6 +202,7 @@ async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run,
                 yield chunk(i, {"role": "assistant", "content": ""})
             async for msg in G.replies(run):
                 index = run.choice(msg)
+                usage.count(msg, index)
                 if isinstance(msg, P.TokenChunk):
                     if not msg.text and not msg.token_ids:
                         continue
@@ -219,8 +223,9 @@ async def _stream(state: HttpState, req: ChatCompletionRequest, run: G.Run,
                         delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
                                  if "tool_calls" in message else {"content": text})
                         yield chunk(index, delta, {"content": held_logprobs} if want_logprobs else None)
-                    yield chunk(index, {}, None, _finish_reason(msg.finish_reason, message, forced))
-            if include_usage:
+                    yield chunk(index, {}, None, _finish_reason(msg.finish_reason, message, forced),
+                                G.stop_reason(msg))
+            if usage.final:
                 yield G.sse({**base, "choices": [], "usage": G.usage(run, outs)})
         except ApiError as exc:
             yield G.sse_error(exc)

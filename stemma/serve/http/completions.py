@@ -69,6 +69,8 @@ class Logprobs:
                 top = {}
                 for t, lp in tops[i]:
                     top.setdefault(G.token_text(self.state.tokenizer, t), lp)
+                if logprob is not None:  # the chosen token is listed too, sampled outside the top k
+                    top.setdefault(G.token_text(self.state.tokenizer, token), logprob)  # (OpenAI, vLLM)
             else:  # `logprobs: 0`: no alternatives, but the chosen token is listed (as OpenAI, vLLM)
                 top = None if logprob is None else {G.token_text(self.state.tokenizer, token): logprob}
             self.add(token, logprob, top)
@@ -85,7 +87,7 @@ def _choice(state: HttpState, req: CompletionRequest, run: G.Run, out: P.Finishe
         lp.add_output(out.token_ids, out.logprobs, out.top_logprobs)
         logprobs = lp.body
     return {"index": run.choice(out), "text": prefix + text, "logprobs": logprobs,
-            "finish_reason": G.finish_reason(out.finish_reason)}
+            "finish_reason": G.finish_reason(out.finish_reason), "stop_reason": G.stop_reason(out)}
 
 
 def _base(state: HttpState, run: G.Run) -> dict:
@@ -95,6 +97,7 @@ def _base(state: HttpState, run: G.Run) -> dict:
 
 def _check(state: HttpState, req: CompletionRequest) -> None:
     check_model(req.model, state.model_names())
+    G.check_stream_options(req)
     if req.suffix:
         raise bad_field("suffix", "suffix is not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -123,13 +126,13 @@ async def create(state: HttpState, req: CompletionRequest, request: Request):
 
 
 async def _stream(state: HttpState, req: CompletionRequest, run: G.Run) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = G.StreamUsage(run, req.stream_options)
     base = _base(state, run)
-    extra = {"usage": None} if include_usage else {}
 
-    def chunk(index: int, text: str, logprobs=None, reason=None) -> str:
+    def chunk(index: int, text: str, logprobs=None, reason=None, stop_reason=None) -> str:
         return G.sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": reason}], **extra})
+                                           "finish_reason": reason, "stop_reason": stop_reason}],
+                      **usage.field(index)})
 
     outs: list[P.Finished | None] = [None] * run.choices
     offsets = [0] * run.choices
@@ -142,6 +145,7 @@ async def _stream(state: HttpState, req: CompletionRequest, run: G.Run) -> Async
                     yield chunk(i, text)
             async for msg in G.replies(run):
                 index = run.choice(msg)
+                usage.count(msg, index)
                 if isinstance(msg, P.TokenChunk):
                     if not msg.text and not msg.token_ids:
                         continue
@@ -154,8 +158,8 @@ async def _stream(state: HttpState, req: CompletionRequest, run: G.Run) -> Async
                     yield chunk(index, msg.text, logprobs)
                 else:
                     outs[index] = msg
-                    yield chunk(index, "", None, G.finish_reason(msg.finish_reason))
-            if include_usage:
+                    yield chunk(index, "", None, G.finish_reason(msg.finish_reason), G.stop_reason(msg))
+            if usage.final:
                 yield G.sse({**base, "choices": [], "usage": G.usage(run, outs)})
         except ApiError as exc:
             yield G.sse_error(exc)

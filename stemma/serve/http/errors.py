@@ -68,7 +68,8 @@ def install(app: FastAPI) -> None:
     async def on_invalid(_request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = _field_of(first.get("loc", ()))
+        # a body that is not JSON is located at a character offset, not at a field
+        param = "body" if first.get("type") == "json_invalid" else _field_of(first.get("loc", ()))
         message = f"{param}: {first.get('msg', 'invalid value')}"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problems)"

@@ -173,6 +173,42 @@ def usage(run: Run, outs: list[P.Finished]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+class StreamUsage:
+    """stream_options: `include_usage` ends the stream with the usage chunk, and every chunk
+    carries `usage` (null); with vLLM's `continuous_usage_stats` too, each chunk carries the
+    usage of its choice so far."""
+
+    def __init__(self, run: Run, options: Any):
+        self.run = run
+        self.final = bool(options and options.include_usage)
+        self.continuous = self.final and options.continuous_usage_stats
+        self.tokens = [0] * run.choices
+
+    def count(self, msg: P.TokenChunk | P.Finished, index: int) -> None:
+        if isinstance(msg, P.Finished):
+            self.tokens[index] = len(msg.token_ids)
+        else:
+            self.tokens[index] += len(msg.token_ids)
+
+    def field(self, index: int) -> dict[str, Any]:
+        """What a chunk of choice `index` carries."""
+        if not self.continuous:
+            return {"usage": None} if self.final else {}
+        prompt, completion = len(self.run.prompts[index // self.run.params.n].ids), self.tokens[index]
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
+
+
+def check_stream_options(req: Any) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_field("stream_options", "stream_options can only be given with stream: true")
+
+
+def stop_reason(out: P.Finished) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the sequence, else None."""
+    return out.meta.get("stop_reason")
+
+
 def finish_reason(reason: str | None) -> str | None:
     return reason  # stemma's reasons are OpenAI's ("stop", "length"), plus "abort"
 
@@ -192,12 +228,19 @@ def token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else str(token)
 
 
-def max_tokens_for(state: HttpState, prompts: list[Prompt], requested: int | None) -> int:
-    """`requested`, or what the context leaves after the longest prompt."""
-    if requested is not None:
-        return requested
-    longest = max(len(p.ids) for p in prompts)
-    return max(state.engine.context_length - longest - 1, 0)
+def max_tokens_for(state: HttpState, prompts: list[Prompt], requested: int | None,
+                   field_name: str = "max_tokens") -> int:
+    """`requested`, or what the context leaves after the longest prompt. A `requested` that the
+    context cannot hold after a prompt that fits is refused, as vLLM refuses it (the engine would
+    end the sequence early with finish_reason "length"); a prompt that does not fit is `start`'s."""
+    context, longest = state.engine.context_length, max(len(p.ids) for p in prompts)
+    if requested is None:
+        return max(context - longest, 0)
+    if longest < context < longest + requested:
+        raise bad_field(field_name, f"{field_name} is too large: {requested}. The model's context is "
+                                    f"{context} tokens and the prompt has {longest} "
+                                    f"({requested} > {context} - {longest})")
+    return requested
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:

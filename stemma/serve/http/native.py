@@ -117,7 +117,8 @@ def detokenize(state: HttpState, req: DetokenizeRequest) -> dict[str, Any]:
         check_model(req.model, state.model_names())
     if state.tokenizer is None:
         raise bad_field("tokens", "this model has no tokenizer")
-    G.check_ids(state, req.tokens, "tokens")
+    if req.tokens:  # no tokens are the empty text (vLLM)
+        G.check_ids(state, req.tokens, "tokens")
     return {"prompt": state.tokenizer.decode(req.tokens)}
 
 

@@ -37,6 +37,7 @@ class OpenAIBody(BaseModel):
 
 class StreamOptions(OpenAIBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk's choice's usage so far
 
 
 class JsonSchemaFormat(OpenAIBody):
