@@ -82,6 +82,26 @@ def test_invariance_under_kv_pressure(folder, reference):
     finish_clean(engine)
 
 
+def test_prompt_logprobs_of_a_retracted_request_are_those_it_gets_alone(folder):
+    """Retracted while decoding, a request's tokens hold its outputs: its prompt's last position
+    scored the first output token as one more prompt logprob. Once whole they are kept, so a
+    readmission reuses its cached prefix instead of scoring the prompt again."""
+    wanted = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, logprob_start=0)
+    prompt, other = prompts(16)[9], prompts(16)[3]
+    alone = make(folder).generate(prompt, wanted)
+    engine = make(folder, kv_pool_tokens=96, chunked_prefill_size=16, kv_reserve_ratio=0.0)
+    (b,) = engine.submit(other, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    (a,) = engine.submit(prompt, wanted)
+    while not (a.finished and b.finished):
+        engine.step()
+    out = engine.output(a)
+    assert out.meta["retractions"] > 0 and out.token_ids == alone.token_ids
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    assert out.prompt_logprobs[1:] == pytest.approx(alone.prompt_logprobs[1:], abs=1e-5)
+    assert out.meta["retractions"] <= 4  # 13 when each readmission scored the prompt again
+    finish_clean(engine)
+
+
 def test_seeded_sample_same_alone_and_batched(folder):
     engine = make(folder)
     sp = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20, seed=1234, ignore_eos=True)

@@ -69,7 +69,7 @@ class Retraction:
         self.release(req)
         req.state = ReqState.WAITING
         req.retractions += 1
-        req.prompt_logprobs.clear()  # recomputed with the prompt
-        req.prompt_logprobs_done = False
+        if not req.prompt_logprobs_done:  # partly scored: recomputed with the prompt; once whole
+            req.prompt_logprobs.clear()    # they stand, and its cached prefix is reused whole
         self.counters.retractions += 1
         self.waiting.appendleft(req)

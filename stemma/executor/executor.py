@@ -68,7 +68,9 @@ def prompt_logprobs(req: Request, n: int, logits: torch.Tensor) -> list[float] |
     first = req.kv_len + n - logits.shape[0]      # position of logits[0]
     skip = max(0, (req.logit_start() or 0) - first)
     first += skip
-    prompt_end = len(req.input_ids) - 1           # last position whose next token is in the prompt
+    # the last position whose next token is in the prompt: after a retraction req.tokens holds
+    # the outputs too, and the prompt's last position would score the first output token
+    prompt_end = len(req.input_ids) - 2
     upto = min(req.kv_len + n, prompt_end + 1) - first
     if upto <= 0:
         return None
