@@ -62,6 +62,46 @@ def test_preempted_requests_lose_nothing(folder):
     engine.check_pool_whole()
 
 
+def plain(n, seed, priority=0):
+    ids = [3 + (seed * 31 + 7 * i) % 90 for i in range(n)]
+    return ids, SamplingParams(temperature=0, max_new_tokens=200 if priority == 0 else 40,
+                               ignore_eos=True, priority=priority)
+
+
+def test_a_kv_short_urgent_request_is_admitted_by_the_preemptions_it_causes(folder):
+    """KV, not the batch, is short: preemption counts what admission will need (a decode slot
+    per running request, the KV reserve, the urgent request's cached prefix locked), so the
+    request it makes room for is admitted in that step, and no request is retracted in vain."""
+    engine = make(folder, kv_pool_tokens=512, chunked_prefill_size=64, speculative="none")
+    low = [engine.submit(*plain(60, i))[0] for i in range(4)]
+    for _ in range(40):
+        engine.step()
+    assert len(engine.scheduler.running) == 4 and not engine.scheduler.waiting
+    (urgent,) = engine.submit(*plain(100, 9, priority=20))
+    engine.step()
+    # 400 of 512 slots held; admission needs 64 (a chunk) + 4 decode slots + the reserve, 0.3 x
+    # (4 x 160 + 40) = 204: each preemption frees ~100 and lowers the need by ~49, so two
+    assert urgent.admitted_once and engine.stats()["preemptions"] == 2
+    assert sum(r.row is not None for r in low) == 2
+    engine.run_until_done(low + [urgent])
+    engine.check_pool_whole()
+
+
+def test_the_pool_running_dry_retracts_the_lowest_priority_first(folder):
+    """A retraction for KV (not a preemption) takes the lowest priority first, then the least
+    progress: the urgent request, newest and least advanced, was taken first, again and again."""
+    engine = make(folder, kv_pool_tokens=256, chunked_prefill_size=64, kv_reserve_ratio=0.0,
+                  speculative="none")
+    low = [engine.submit(*plain(20, i))[0] for i in range(3)]
+    for _ in range(30):
+        engine.step()
+    (urgent,) = engine.submit(*plain(40, 9, priority=20))
+    engine.run_until_done([urgent])
+    assert urgent.retractions == 0 and sum(r.retractions for r in low) > 0
+    engine.run_until_done(low)
+    engine.check_pool_whole()
+
+
 def test_targets_are_scored_in_the_output_and_stats(folder):
     engine = make(folder, default_itl_slo_ms=10_000.0)
     engine.warm_up_step_cost()

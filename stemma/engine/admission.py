@@ -32,6 +32,13 @@ def prefill_budget(config: EngineConfig) -> int:
     return min(chunk, config.max_prefill_tokens) if chunk else config.max_prefill_tokens
 
 
+def reserve_for(running: list[Request], extra: Request, ratio: float) -> int:
+    """KV kept free for the decodes of the running requests (and `extra`), when any run."""
+    if not running:
+        return 0
+    return int(sum(min(r.remaining_new_tokens, RESERVE_CLIP) for r in running + [extra]) * ratio)
+
+
 class Admission:
     def __init__(self, config: EngineConfig, cache: RadixCache, req_to_slot: ReqToSlot,
                  running: list[Request], matches: PrefixMatches, retraction: Retraction,
@@ -58,10 +65,7 @@ class Admission:
 
     def reserve(self, extra: Request) -> int:
         """KV kept free for the decodes of the running requests (and `extra`)."""
-        if not self.running:
-            return 0
-        total = sum(min(r.remaining_new_tokens, RESERVE_CLIP) for r in self.running + [extra])
-        return int(total * self.config.kv_reserve_ratio)
+        return reserve_for(self.running, extra, self.config.kv_reserve_ratio)
 
     def admit(self, req: Request, enforce_reserve: bool) -> int | None:
         """Admits req into running with a row and its cached prefix; returns the tokens it

@@ -59,11 +59,12 @@ class Retraction:
                 return False
 
     def pick_victim(self, exclude: Request | None = None) -> Request | None:
-        """The running request with the least progress that holds no slots for this step."""
+        """The running request that holds no slots for this step and gives way first: the lowest
+        priority, then the least progress, then the latest arrival (as slo.victims orders them)."""
         candidates = [r for r in self.running if r is not exclude and id(r) not in self.scheduled]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival))
+        return min(candidates, key=lambda r: (r.params.priority, len(r.output_ids), -r.arrival))
 
     def retract(self, req: Request) -> None:
         self.release(req)

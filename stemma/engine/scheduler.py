@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stemma.engine import faults, policy
-from stemma.engine.admission import Admission
+from stemma.engine.admission import Admission, reserve_for
 from stemma.engine.counters import Counters
 from stemma.engine.plan import StepPlan
 from stemma.engine.prefix_match import PrefixMatches
@@ -293,7 +293,7 @@ class Scheduler:
 
     def _preempt_for_priority(self) -> None:
         """Retracts running requests at least priority_preemption_gap below a waiting request
-        that has no room (batch full, KV short), lowest first, until it has."""
+        that has no room (batch full, KV short), lowest first, until admission would take it."""
         gap = self.config.priority_preemption_gap
         rows = tokens = 0  # what the waiting requests seen so far will claim
         for req in self.slo.order(list(self.waiting)):
@@ -302,12 +302,26 @@ class Scheduler:
                 break  # in priority order: the ones after it have no victims either
             need = min(len(req.tokens) - self.matches.length_and_node(req)[0],
                        self.config.chunk_size or len(req.tokens))
-            while pool and not (len(self.running) + rows < self.config.max_running_requests
-                                and self.req_to_slot.available > rows
-                                and self.retraction.room() >= tokens + need):
+            while pool and not self._has_room(req, rows, tokens + need):
                 self.retraction.retract(pool.pop(0))
                 self.counters.preemptions += 1
             rows, tokens = rows + 1, tokens + need
+
+    def _has_room(self, req: Request, rows: int, tokens: int) -> bool:
+        """Whether req, after `rows` rows and `tokens` KV slots for the waiting requests before
+        it, would be admitted, counted as the step counts it: a decode slot for each running
+        decode first (_schedule_running), then admission's reserve, with req's cached prefix
+        locked (Admission.admit), so that no request is preempted in vain."""
+        if len(self.running) + rows >= self.config.max_running_requests or self.req_to_slot.available <= rows:
+            return False
+        decodes = sum(1 for r in self.running if r.is_decoding)
+        reserve = reserve_for(self.running, req, self.config.kv_reserve_ratio)
+        node = self.matches.length_and_node(req)[1]  # matched again: a retraction may split its path
+        self.cache.lock(node)
+        try:
+            return self.retraction.room() >= tokens + decodes + reserve
+        finally:
+            self.cache.unlock(node)
 
     def _decode_shape(self) -> StepShape:
         shape = StepShape()
