@@ -213,6 +213,8 @@ def test_the_retention_guard_defers_new_work_that_would_evict_retained_kv():
     assert guard.fits(plain, cached=0)                           # so does a request of no program
     plain.arrival = clock.now
     assert not guard.fits(plain, cached=0)
+    plain.retractions = 1
+    assert guard.fits(plain, cached=0)                           # it was running: retracted for KV
     # each call adds KV to its program: the active programs' next growth is held back too
     nxt = call_req(programs, "small", 1, prompt=[50, 51, 52, 53, 54, 55])
     programs.on_finish(small, kv_len=3)

@@ -259,13 +259,13 @@ class RetentionGuard:
         self.held: list[Request] = []  # the requests `fits` refused
 
     def fits(self, req: Request, cached: int) -> bool:
-        """Whether req may be admitted now: it resumes its own program, has starved, or needs no
-        more than `free`."""
+        """Whether req may be admitted now: it resumes its own program, has starved, was running
+        (retracted: retained KV never holds back a running request), or needs no more than `free`."""
         if self.retained is None:
             self._measure()
         if not self.retained:
             return True
-        exempt = Programs.resumed(req, cached) or self.programs.starved(req)
+        exempt = Programs.resumed(req, cached) or self.programs.starved(req) or req.retractions > 0
         if exempt or len(req.tokens) - cached <= self.free:
             return True
         self.held.append(req)
