@@ -91,13 +91,56 @@ def test_schema_regex_enforces_integer_bounds_and_lengths():
     ({"type": "number", "minimum": 1}, r"supported on 'type': 'integer' only"),
     ({"type": "integer", "minimum": 5, "maximum": 2}, r"empty integer range"),
     ({"type": "string", "pattern": "a+", "maxLength": 3}, r"'pattern' cannot be combined"),
-    ({"type": "string", "format": "ipv4"}, r"not supported: Format ipv4"),
+    ({"type": "string", "format": "ipv4"}, r"format 'ipv4' is not supported"),
     ({"$ref": "#/nope"}, r"not supported: Invalid reference path"),
+    # keywords outlines-core would drop beside another: each output broke the schema
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, r"'oneOf' is supported only over branches"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"required": ["a"]}]},
+     r"'allOf' cannot be combined with 'properties'"),
+    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2},
+     r"'\$ref' cannot be combined with 'maxLength'"),
+    ({"type": "string", "anyOf": [{"maxLength": 2}, {"type": "integer"}]}, r"'anyOf' cannot be combined with 'type'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zzz"]},
+     r"'required' names 'zzz'"),
+    ({"type": "integer", "enum": [1, "2", 3.5]}, r"enum value '2' is not of type 'integer'"),
+    ({"enum": ["abcdef", "x"], "maxLength": 2}, r"'enum' cannot be combined with 'maxLength'"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "maxItems": 1}, r"cannot be combined with 'prefixItems'"),
+    ({"type": "string", "properties": {"a": {"type": "integer"}}}, r"'properties' applies to type 'object'"),
+    ({"type": "string", "format": "date", "maxLength": 10}, r"'format' cannot be combined with 'maxLength'"),
+    ({"type": "string", "format": "email"}, r"format 'email' is not supported"),
+    # a string pattern that could write what a JSON string cannot hold raw
+    ({"type": "string", "pattern": "^.{3}$"}, r"can match '\"', a backslash or a control character"),
+    ({"type": "string", "pattern": "[^a]+"}, r"can match"),
+    ({"type": "string", "pattern": "a\\Sb"}, r"can match"),
 ])
 def test_bad_or_unsupported_schema_is_named(schema, message):
     with pytest.raises(ValueError, match=r"^json_schema") as err:
         check(SamplingParams(json_schema=schema))
     assert re.search(message, str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("schema,good,bad", [
+    ({"type": "string", "pattern": "^\\d{3}-\\w+$"}, ["123-ab_9"], ["\u0661\u0662\u0663-ab", "123-\u00e9"]),
+    ({"type": "string", "pattern": "a\\sb"}, ["a b", "a\u00a0b"], ["a\tb", "a\nb"]),
+    ({"type": "string", "format": "date"}, ["2024-02-29"], ["\u0662024-02-29", "2024-13-01"]),
+    ({"type": "string", "format": "time"}, ["23:59:59Z", "01:02:03.25+05:30"], ["01:02:03\\75Z", "01:02:03"]),
+    ({"type": "string", "format": "date-time"}, ["2024-01-02T03:04:05Z"], ["2024-01-02 03:04:05Z"]),
+    ({"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "string"}]}},
+      "required": ["v"]}, [{"v": 3}, {"v": "x"}], [{"v": 2.5}]),
+    ({"type": "integer", "enum": [1, 3]}, [1, 3], [2]),
+])
+def test_patterns_and_formats_are_ascii_and_json_safe(schema, good, bad):
+    """JSON Schema's \\d and \\w are ASCII (outlines-core's matched any Unicode digit or letter);
+    \\s is a blank a JSON string holds raw; formats as RFC 3339 writes them (outlines-core's
+    `time` took a literal backslash for its fraction's dot); what stays is what validates."""
+    pattern = re.compile(schema_to_regex(json.dumps(schema)))
+    def text(value):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    for value in good:
+        assert pattern.fullmatch(text(value)), value
+        json.loads(text(value))
+    for value in bad:
+        assert not pattern.fullmatch(text(value)), value
 
 
 # ---------------------------------------------------------------- regexes and grammars

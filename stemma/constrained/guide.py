@@ -72,7 +72,10 @@ class RegexGuide:
 
     Forced bytes are found through the vocabulary's 256 single-byte tokens: a byte is allowed next
     exactly when its token is (a longer token implies its first byte is), so one allowed byte in a
-    non-final state is a forced byte. Vocabularies without all 256 byte tokens force nothing.
+    non-final state is a forced byte. Vocabularies without all 256 byte tokens force nothing. In a
+    final state that does not hold: outlines-core (0.2.14) keeps only the transitions that end in
+    a final state there, so a multi-byte token may go on where no byte does, and whether a final
+    state goes on is asked of its allowed tokens.
     """
 
     exact_closure = True  # shortest() is exact
@@ -89,6 +92,7 @@ class RegexGuide:
         self.closure_error: str | None = None
         self.closure_acted = False  # set by the constrainer once closure changed this request
         self.closure_logged = False
+        self._goes_on: dict[int, bool] = {}  # final state -> whether a token but EOS is allowed
 
     def fill_mask(self, address: int, words: int) -> None:
         self._guide.write_mask_into(address, words, 4)
@@ -161,6 +165,6 @@ class RegexGuide:
 
     def _continues(self, state: int) -> bool:
         """Whether any token but EOS is allowed in `state`."""
-        if self._byte_ids is not None:
-            return any(self._index.get_next_state(state, t) is not None for t in self._byte_ids)
-        return any(t != self._eos for t in self._index.get_allowed_tokens(state))
+        if state not in self._goes_on:
+            self._goes_on[state] = any(t != self._eos for t in self._index.get_allowed_tokens(state))
+        return self._goes_on[state]
