@@ -67,6 +67,8 @@ def test_values(source, value):
     ("{select v}", (1, 1), "needs choices"),
     ("{select v choices=['a'] weight=2}", (1, 1), "unknown option 'weight'"),
     ("{gen a b}", (1, 1), "one variable name"),
+    ("{gen user}", (1, 1), "'user' is a keyword ({user} opens a block)"),
+    ("{select gen choices=['a']}", (1, 1), "'gen' is a keyword"),
     ("{q 3}", (1, 4), "unexpected '3'"),
     ("x\n{user}hi", (2, 1), "{user} block is never closed"),
     ("{/assistant}", (1, 1), "closes no open {assistant} block"),

@@ -184,6 +184,9 @@ def _compile_hole(hole: _Hole) -> Node:
         if len(hole.flags) > 1:
             raise StmSyntaxError(f"{head} takes one variable name, got {', '.join(hole.flags)}", where)
         var = hole.flags[0] if hole.flags else None
+        if var in KEYWORDS:  # {user} opens a block: the variable could never be read back
+            raise StmSyntaxError(f"{head}: {var!r} is a keyword ({{{var}}} "
+                                 f"{'opens a block' if var in ROLES else 'is a hole'}), not a variable name", where)
         try:
             if head == "gen":
                 return gen(var, **hole.options)  # gen takes max_tokens, and refuses it beside max_new_tokens
