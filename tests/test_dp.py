@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -73,3 +74,35 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(folder):
         outs = [client.generate([5, 6, 9], GREEDY, timeout=60) for _ in range(2)]  # one on each
         assert outs[0].token_ids == outs[1].token_ids
         assert client.info()["stats"]["router"]["routed"][1] >= 3
+
+
+def test_health_flush_and_a_program_s_end_answer_for_every_replica(folder):
+    """One stalled replica does not fail the server's health (the probe went to one replica);
+    a flush while a replica is busy drops no replica's cache (the idle one flushed alone, and
+    the answer said "not flushed"); under round robin a program's end reaches every replica its
+    calls went to (it reached the last one's alone, and the others kept its KV retained)."""
+    from stemma.program_call import ProgramCall
+    with stemma.Runtime(folder, dp=2, routing=Routing(router="round_robin"), radix_eviction="program",
+                        **ENGINE) as rt:
+        client = rt.client
+        for i in range(2):  # one call of program p on each replica
+            client.generate([5, 6, 9, i], GREEDY, timeout=60, call=ProgramCall("p", i, continues=True))
+        stream = client.stream([5, 6, 7], LONG, timeout=60)  # on replica 0
+        assert isinstance(next(iter(stream)), str)
+        assert client.flush_cache() is False
+        replicas = client.info()["stats"]["replicas"]
+        assert all(r["pool_cached"] > 0 for r in replicas), replicas
+        assert [r["programs_live"] for r in replicas] == [1, 1]
+        client.end_program("p")
+        client.abort(stream.rid)
+        pids = replica_pids(client)
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            assert client.health(timeout=5)
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while any(r["programs_live"] for r in client.info()["stats"]["replicas"]):
+            assert time.monotonic() < deadline, client.info()["stats"]["replicas"]
+            time.sleep(0.1)
+        assert client.flush_cache()

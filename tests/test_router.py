@@ -283,3 +283,29 @@ def test_running_totals_are_counters_that_an_engine_restart_does_not_count_twice
     assert "stemma:spec_decode_num_draft_tokens_total 30.0" in text  # 10, +15, 4 the new base, +5
     assert "stemma:num_programs_ended_total 2.0" in text
     assert "# TYPE stemma:spec_decode_num_draft_tokens_total counter" in text
+
+
+def test_only_cache_aware_keeps_a_program_on_its_replica():
+    """Under round_robin and least_load a program's calls spread: its end is for every replica
+    (end_program None: the gateway sends it to all); it went to the last call's replica alone."""
+    for policy in ("round_robin", "least_load"):
+        router = Router(2, Routing(router=policy))
+        served = {router.choose([1, 2, 3], None, "p", [i % 2, (i + 1) % 2], [True, True]) for i in range(4)}
+        assert served == {0, 1} and router.end_program("p") is None, policy
+    router = Router(2, Routing())
+    first = router.choose([1, 2, 3], None, "p", [0, 0], [True, True])
+    assert router.choose([1, 2, 3, 4], None, "p", [3, 0], [True, True]) == first
+    assert router.end_program("p") == first
+
+
+def test_merged_stats_keep_each_replica_s_own_values_and_list_every_program():
+    replicas = {i: {"pid": 100 + i, "running": i, "programs": [{"program_id": f"p{i}"}],
+                    "slo": {"0": {"requests": 2, "met": 1}, str(i + 5): {"requests": 1, "met": 1}}}
+                for i in range(2)}
+    stats = merge({i: P.Info(rid="s", model="m", context_length=8, vocab_size=9, stats=st)
+                   for i, st in replicas.items()}, None).stats
+    assert "pid" not in stats and [r["pid"] for r in stats["replicas"]] == [100, 101]
+    assert stats["programs"] == [{"program_id": "p0", "replica": 0}, {"program_id": "p1", "replica": 1}]
+    assert stats["slo"] == {"0": {"requests": 4, "met": 2}, "5": {"requests": 1, "met": 1},
+                            "6": {"requests": 1, "met": 1}}
+    assert stats["running"] == 1

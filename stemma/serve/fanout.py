@@ -6,8 +6,9 @@ With one replica the answer is the reply, unchanged. With several:
 - Info: `stats` holds each replica's own under "replicas" (in replica order, each with its index
   under "replica") and the router's
   under "router"; at the top, counts (ints) are summed, `cache_hit_rate` is recomputed from the
-  summed tokens, `pool_usage` and `kv_usage` are the means, `pool_whole` holds only if it holds everywhere, and any
-  other value is the first replica's;
+  summed tokens, `pool_usage` and `kv_usage` are the means, `pool_whole` holds only if it holds everywhere,
+  `programs` lists every replica's (each tagged), `slo` sums the counts per priority, a replica's
+  own values (`pid`) are under "replicas" only, and any other value is the first replica's;
 - FlushDone: ok only if every replica flushed;
 - CacheTree: the replicas' nodes one after the other (ids shifted to stay unique), each node and
   request tagged with its "replica".
@@ -39,12 +40,21 @@ def merge(answers: dict[int, P.Message], router: dict[str, Any] | None) -> P.Mes
     return first
 
 
+OWN = frozenset({"pid"})  # a replica's own, not a count: under "replicas" only
+
+
 def merge_stats(by_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
     stats = [by_replica[i] for i in sorted(by_replica)]
     out: dict[str, Any] = {}
     for key, value in stats[0].items():
         values = [s.get(key) for s in stats]
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if key in OWN:
+            continue
+        if key == "programs" and all(isinstance(v, list) for v in values):  # each one's, tagged
+            out[key] = [{**p, "replica": i} for i in sorted(by_replica) for p in by_replica[i][key]]
+        elif key == "slo" and all(isinstance(v, dict) for v in values):  # counts per priority
+            out[key] = _sum_nested(values)
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             out[key] = sum(values)
         elif key in ("pool_usage", "kv_usage") and all(isinstance(v, (int, float)) for v in values):
             out[key] = sum(values) / len(values)
@@ -62,6 +72,17 @@ def merge_stats(by_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
     if isinstance(steps, int) and isinstance(accepted, int):
         out["spec_mean_accepted"] = accepted / steps if steps else 0.0
     out["replicas"] = [{"replica": i, **by_replica[i]} for i in sorted(by_replica)]
+    return out
+
+
+def _sum_nested(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """{priority: {count name: n}} dicts, summed key by key."""
+    out: dict[str, Any] = {}
+    for d in dicts:
+        for key, row in d.items():
+            mine = out.setdefault(key, {})
+            for name, n in row.items():
+                mine[name] = mine.get(name, 0) + n if isinstance(n, (int, float)) else n
     return out
 
 

@@ -546,8 +546,11 @@ class Gateway:
             for replica in self.replicas:
                 if replica.serving and index in (None, replica.index):
                     replica.send(msg)
-        elif isinstance(msg, P.Health):  # to one replica: any that serves answers for the server
-            self.forward(peer, msg, Pending(peer, msg.rid, msg.TAG, replica=self._least_loaded()))
+        elif isinstance(msg, P.Health):  # to every replica: the first that answers speaks for the
+            self.forward(peer, msg, self._spread(peer, msg))  # server (one stalled must not fail it)
+        elif isinstance(msg, P.FlushCache) and len(self.replicas) > 1 and any(
+                self.routes.loads(len(self.replicas))):  # all or nothing: an idle replica would
+            self.reply(peer, P.FlushDone(rid=msg.rid, ok=False))  # flush beside a busy one
         else:  # stats, flushes, cache trees: every serving replica's, merged (serve.fanout)
             self.forward(peer, msg, self._spread(peer, msg))
 
@@ -609,10 +612,6 @@ class Gateway:
         program = msg.call.program_id if msg.call is not None else None
         return self.replica_router.choose(ids, msg.salt, program, self.routes.loads(len(self.replicas)),
                                           [r.serving for r in self.replicas])
-
-    def _least_loaded(self) -> int:
-        loads = self.routes.loads(len(self.replicas))
-        return min((r.index for r in self.replicas if r.serving), key=lambda i: (loads[i], i))
 
     def forward(self, peer: bytes | int, msg: P.Message, pending: Pending) -> None:
         """Registers the request and sends it on under its engine-side id (to every replica it
@@ -691,6 +690,9 @@ class Gateway:
         pending.parts[index] = item
         if isinstance(item, P.FlushDone) and item.ok:  # its exact tree hears a clear event
             self.replica_router.approx[index].clear()
+        if isinstance(item, P.HealthOk):  # one replica alive answers for the server
+            pending.parts = {index: item}
+            pending.expect.clear()
         if not pending.expect:
             self._answer_spread(item.rid, pending)
 

@@ -85,7 +85,9 @@ class Router:
         index, reason = self._choose(ids, salt, program, loads, alive)
         self.routed[index] += 1
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        if program is not None:
+        # only cache_aware keeps a program on its replica; under the others a program's calls
+        # spread, so its end goes to every replica (end_program: None)
+        if program is not None and self.routing.router == "cache_aware":
             self.programs.pop(program, None)  # re-inserted: the dict is oldest first
             self.programs[program] = index
             if len(self.programs) > MAX_PROGRAMS:
