@@ -105,4 +105,7 @@ def test_health_flush_and_a_program_s_end_answer_for_every_replica(folder):
         while any(r["programs_live"] for r in client.info()["stats"]["replicas"]):
             assert time.monotonic() < deadline, client.info()["stats"]["replicas"]
             time.sleep(0.1)
-        assert client.flush_cache()
+        while not client.flush_cache():  # once the aborted stream's end is back: idle
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert all(r["pool_cached"] == 0 for r in client.info()["stats"]["replicas"])

@@ -1,6 +1,7 @@
 """The replica router (issue 20): its prefix index against a naive set of prefixes, the exact
 mirror of an engine radix tree fed by that tree's own events, the policies, and the merging of
 spread answers."""
+import itertools
 from pathlib import Path
 
 import pytest
@@ -142,8 +143,16 @@ def test_cache_events_are_a_version_3_message_inside_a_batch():
         P.decode(msgpack.packb({"type": "cache_events", "version": 2, "events": []}))
 
 
+def forgetful():
+    """A clock that moves 2 x FLIGHT_S at each reading: the prompts just routed are forgotten at
+    once, so that the router sees the exact tree alone."""
+    from stemma.serve.router import FLIGHT_S
+    ticks = itertools.count(step=2 * FLIGHT_S)
+    return lambda: next(ticks)
+
+
 def test_cache_aware_prefers_the_replica_holding_the_prefix_until_loads_are_out_of_balance():
-    router = Router(2, Routing(balance_abs=4, balance_rel=1.5))
+    router = Router(2, Routing(balance_abs=4, balance_rel=1.5), clock=forgetful())
     router.on_events(1, [[P.CacheEvents.STORE, 0, -1, 1, 2, 3, 4]], [])
     router.on_events(0, [[P.CacheEvents.CLEAR, 0, -1]], [])
     assert router.choose([1, 2, 3, 4, 9], None, None, [0, 3], [True, True]) == 1      # cached
@@ -157,7 +166,7 @@ def test_cache_aware_prefers_the_replica_holding_the_prefix_until_loads_are_out_
 
 
 def test_below_the_cache_threshold_it_routes_by_load():
-    router = Router(2, Routing(cache_threshold=0.6))
+    router = Router(2, Routing(cache_threshold=0.6), clock=forgetful())
     router.on_events(1, [[P.CacheEvents.STORE, 0, -1, 1, 2]], [])
     router.on_events(0, [], [])
     assert router.choose([1, 2, 3, 4], None, None, [2, 0], [True, True]) == 1  # 2/4 < 0.6: load
@@ -309,3 +318,19 @@ def test_merged_stats_keep_each_replica_s_own_values_and_list_every_program():
     assert stats["slo"] == {"0": {"requests": 4, "met": 2}, "5": {"requests": 1, "met": 1},
                             "6": {"requests": 1, "met": 1}}
     assert stats["running"] == 1
+
+
+def test_a_burst_sharing_a_prefix_goes_where_the_first_went_before_any_event_returns():
+    """The exact tree hears of a prefix once its replica has prefilled it: a burst sent before
+    then went by load (to both replicas, each computing the prefix). Routed prompts count as
+    their replica's for FLIGHT_S to 2 x FLIGHT_S seconds, until the events have come back."""
+    from stemma.serve.router import FLIGHT_S
+    now = [0.0]
+    router = Router(2, Routing(), clock=lambda: now[0])
+    shared = list(range(100, 400))
+    loads = [0, 0]
+    for i in range(4):
+        loads[router.choose(shared + [i], None, None, loads, [True, True])] += 1
+    assert loads == [4, 0] and router.reasons == {"load": 1, "cache": 3}
+    now[0] += 2 * FLIGHT_S  # no event came back: that replica may have evicted it since
+    assert router.choose(shared + [9], None, None, [4, 0], [True, True]) == 1

@@ -6,8 +6,10 @@
     least_load    the serving replica with the fewest requests in flight
 
 `cache_aware` keeps a PrefixIndex per replica. With `cache_tree="exact"` it is the replica's own
-radix tree, rebuilt from the insert and evict events the replica publishes (CacheEvents); with
-"approximate" it is the prompts routed there, bounded by `approx_max_tokens` (least recently
+radix tree, rebuilt from the insert and evict events the replica publishes (CacheEvents), with
+the prompts routed there in the last FLIGHT_S seconds or so over it (a prompt is in the cache
+only once its prefill has run and its event come back: a burst sharing a prefix went by load);
+with "approximate" it is the prompts routed there, bounded by `approx_max_tokens` (least recently
 used go first), as SGLang's router keeps it. The router keeps the approximate tree in both modes
 and, while events flow, counts how the two would differ (`stats()["tree"]`).
 
@@ -18,8 +20,9 @@ Invariant: `choose` only ever names a serving replica.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from stemma.field_doc import doc, one_of
 from stemma.protocol import CacheEvents
@@ -28,6 +31,9 @@ from stemma.serve.prefix_index import PrefixIndex
 POLICIES = ("cache_aware", "round_robin", "least_load")
 TREES = ("exact", "approximate")
 MAX_PROGRAMS = 1 << 16  # programs pinned at once (one that never ends is forgotten, oldest first)
+FLIGHT_S = 2.0  # the exact tree counts a routed prompt as its replica's for about 2-4 s: until its
+                # prefill's insert event has come back (a burst sharing a prefix then goes
+                # where the first went, as SGLang's tree, which inserts as it routes, sends it)
 
 
 @dataclass(frozen=True)
@@ -63,10 +69,14 @@ class Routing:
 
 
 class Router:
-    def __init__(self, replicas: int, routing: Routing):
+    def __init__(self, replicas: int, routing: Routing, clock: Callable[[], float] = time.monotonic):
         self.routing = routing
         self.exact = [PrefixIndex() for _ in range(replicas)]
         self.approx = [PrefixIndex() for _ in range(replicas)]
+        # the prompts routed to each replica in this FLIGHT_S period and the one before
+        self.flight = [(PrefixIndex(), PrefixIndex()) for _ in range(replicas)]
+        self.clock = clock
+        self._period = clock()
         self.events = [False] * replicas       # whether replica i's exact tree is fed
         self.programs: dict[str, int] = {}     # program id -> the replica its calls go to
         self._turn = itertools.count()
@@ -92,7 +102,9 @@ class Router:
             self.programs[program] = index
             if len(self.programs) > MAX_PROGRAMS:
                 del self.programs[next(iter(self.programs))]
-        if self.routing.router == "cache_aware":  # only cache_aware reads (or compares) it
+        if self.routing.router == "cache_aware":  # only cache_aware reads (or compares) them
+            self._rotate()
+            self.flight[index][0].store(ids, salt)
             self.approx[index].store(ids, salt)
             self.approx[index].evict_lru(self.routing.approx_max_tokens)
         return index
@@ -113,6 +125,9 @@ class Router:
         trees = self.exact if self.routing.cache_tree == "exact" else self.approx
         matched = {i: trees[i].match(ids, salt, touch=True) for i in alive}
         self._compare(ids, salt, alive, loads, matched)
+        if self.routing.cache_tree == "exact":  # and what is on its way into each cache
+            self._rotate()
+            matched = {i: max(m, *(f.match(ids, salt) for f in self.flight[i])) for i, m in matched.items()}
         best = max(matched.values())
         if best and best >= self.routing.cache_threshold * len(ids):
             return min((i for i in alive if matched[i] == best), key=lambda i: (loads[i], i)), "cache"
@@ -151,6 +166,7 @@ class Router:
                 tree.truncate(tokens, keep, salt)
             elif op == CacheEvents.CLEAR:
                 tree.clear()
+                self.flight[replica] = (PrefixIndex(), PrefixIndex())
 
     def end_program(self, program: str) -> int | None:
         """Forgets where program `program` ran; returns that replica (None if unknown)."""
@@ -161,9 +177,20 @@ class Router:
         programs go elsewhere."""
         self.exact[replica].clear()
         self.approx[replica].clear()
+        self.flight[replica] = (PrefixIndex(), PrefixIndex())
         self.events[replica] = False
         for program in [p for p, i in self.programs.items() if i == replica]:
             del self.programs[program]
+
+    def _rotate(self) -> None:
+        """Starts a new FLIGHT_S period when one has passed: the period before it is forgotten."""
+        now = self.clock()
+        if now - self._period >= 2 * FLIGHT_S:  # both periods are over
+            self.flight = [(PrefixIndex(), PrefixIndex()) for _ in self.flight]
+            self._period = now
+        elif now - self._period >= FLIGHT_S:
+            self.flight = [(PrefixIndex(), current) for current, _ in self.flight]
+            self._period = now
 
     def stats(self) -> dict:
         return {"policy": self.routing.router, "cache_tree": self.routing.cache_tree,
