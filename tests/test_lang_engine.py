@@ -206,6 +206,22 @@ def test_streaming_through_the_engine(backend):
     assert two_calls.run(question=W[50], backend=backend, sampling=GREEDY).text() == state.text()
 
 
+def test_leaving_a_stream_early_cancels_its_run(engine, backend):
+    """A reader that stops (break) leaves nothing behind: a streamed program is driven by its
+    reader, so its request held its row, unread, and its program never ended."""
+    @stemma.function
+    def story(s):
+        s += sentence(8) + stemma.gen("a", max_new_tokens=200, ignore_eos=True)
+        s += stemma.gen("b", max_new_tokens=20, ignore_eos=True)
+
+    state = story.run(backend=backend, sampling=GREEDY, stream=True)
+    for i, _ in enumerate(state.text_iter()):
+        if i == 3:
+            break
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["queue"] == 0, stats
+
+
 def test_a_bad_prompt_fails_the_program_and_frees_the_engine(engine, backend):
     @stemma.function
     def too_long(s):

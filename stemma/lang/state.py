@@ -297,7 +297,19 @@ class ProgramState(RoleMethods):
         `text_iter("a")` then `text_iter("b")` give a's deltas, then b's (b's at once).
         Without it, everything, to the program's end; `generated_only` keeps what gen and select
         add. A state from a run without stream=True gives the whole text (or the variable) at
-        once, as SGLang does."""
+        once, as SGLang does.
+
+        Leaving the iteration before its end (a `break`) cancels a run still going: its requests
+        are aborted and its program ends (the program is driven by its reader, so it would
+        otherwise hold its requests, unread, until the state is waited on)."""
+        deltas = self._text_iter(var_name, generated_only)
+        try:
+            yield from deltas
+        except GeneratorExit:
+            self.cancel()
+            raise
+
+    def _text_iter(self, var_name: str | None, generated_only: bool) -> Iterator[str]:
         if isinstance(var_name, bool):  # stemma's text_iter(generated_only) before var_name came
             var_name, generated_only = None, var_name
         if self._stream is None:
@@ -334,7 +346,19 @@ class ProgramState(RoleMethods):
 
     async def text_aiter(self, var_name: str | None = None,
                          generated_only: bool = False) -> AsyncIterator[str]:
-        """The async form of text_iter (f.run_async(..., stream=True))."""
+        """The async form of text_iter (f.run_async(..., stream=True)); leaving it early cancels
+        the run too (once the generator is closed: at once with `aclose()`, else when collected)."""
+        deltas = self._text_aiter(var_name, generated_only)
+        try:
+            async for delta in deltas:
+                yield delta
+        except GeneratorExit:
+            self.cancel()
+            raise
+        finally:
+            await deltas.aclose()
+
+    async def _text_aiter(self, var_name: str | None, generated_only: bool) -> AsyncIterator[str]:
         if isinstance(var_name, bool):
             var_name, generated_only = None, var_name
         if self._stream is None:
