@@ -66,3 +66,23 @@ def test_unreachable_server_is_named():
                        match=rf"server at tcp://127.0.0.1:{port} is unreachable: no answer within 1 s"):
         program.run(topic="x", backend=backend)
     backend.close()
+
+
+def test_programs_starting_on_many_threads_load_the_codec_once(monkeypatch):
+    """f.run() from a thread pool over a fresh endpoint: each first run asked the server's info
+    on one shared socket and loaded the tokenizer at once (6 of 60 programs failed)."""
+    from concurrent.futures import ThreadPoolExecutor
+    asked = []
+
+    class SlowClient:
+        address = "tcp://127.0.0.1:1"
+
+        def info(self, timeout=None):
+            asked.append(timeout)
+            time.sleep(0.2)
+            return {"model": "m"}
+    monkeypatch.setattr(RemoteBackend, "_codec_from", lambda self, info: object())
+    backend = RemoteBackend(SlowClient())
+    with ThreadPoolExecutor(8) as pool:
+        codecs = list(pool.map(lambda _: backend.codec, range(8)))
+    assert len(asked) == 1 and all(codec is codecs[0] for codec in codecs)

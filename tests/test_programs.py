@@ -344,3 +344,22 @@ class ProgramCacheSim(CacheSim):
 ProgramCacheSim.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
 test_program_cache_simulation = ProgramCacheSim.TestCase
+
+
+def test_the_record_cap_drops_ended_then_expired_then_retained_programs():
+    """At the cap, a paused program whose KV is retained went first when its call was the oldest
+    (marked ended: its KV evicted first) while ended records could go instead."""
+    clock = Clock()
+    programs = Programs(retention_max_s=30.0, starvation_s=15.0, clock=clock, max_records=3)
+    agent = call_req(programs, "agent", pause_s=10.0)
+    for i in range(2):
+        short = call_req(programs, f"short{i}")
+        programs.on_finish(short, kv_len=20)
+        programs.end(f"short{i}")
+    programs.on_finish(agent, kv_len=60)  # paused in a 10 s tool: retained
+    call_req(programs, "newcomer")
+    assert list(programs.records) == ["agent", "short1", "newcomer"] and not agent.program.ended
+    stats = programs.stats()
+    assert (stats["programs_live"], stats["programs_retained"]) == (2, 1)  # agent and newcomer
+    clock.now += 60.0  # the agent never calls again, nor ends: its retention is over
+    assert programs.stats()["programs_live"] == 1  # the newcomer's call is still in flight

@@ -216,11 +216,14 @@ class Programs:
 
     # ---- stats ----
     def stats(self, limit: int = 32) -> dict:
-        """Counts, and the `limit` most recently active programs' records."""
-        live = [r for r in self.records.values() if not r.ended]
+        """Counts, and the `limit` most recently active programs' records. A program is live
+        while a call of it is in flight or its KV is retained: one whose client never ends it
+        stops counting once its retention is over (its record stays, up to max_records)."""
+        now = self.clock()
+        live = [r for r in self.records.values() if not r.ended and (r.in_flight or r.keep_until > now)]
         recent = list(self.records.values())[-limit:][::-1]
         return {"programs_live": len(live), "programs_ended": self.ended_count,
-                "programs_retained": sum(1 for r in live if r.in_flight == 0 and r.keep_until > self.clock()),
+                "programs_retained": sum(1 for r in live if r.in_flight == 0),
                 "programs": [r.as_dict() for r in recent]}
 
     def _end(self, rec: ProgramRecord) -> None:
@@ -229,13 +232,19 @@ class Programs:
             self.ended_count += 1
 
     def _trim(self, room: int = 0) -> None:
-        """Drops records past max_records less `room`: ended or idle ones, oldest first. A
-        dropped record counts as ended (the nodes that still point to it evict first)."""
+        """Drops records past max_records less `room`, oldest first among each kind: ended ones,
+        then idle ones whose retention is over, then paused ones still retained (never one with
+        a call in flight). A dropped record counts as ended (the nodes that still point to it
+        evict first), so a retained program goes only when nothing else can."""
         excess = len(self.records) + room - self.max_records
         if excess <= 0:
             return
-        idle = [pid for pid, r in self.records.items() if r.ended or r.in_flight == 0][:excess]
-        for pid in idle:
+        now = self.clock()
+        kinds = [[], [], []]  # ended, idle past retention, retained
+        for pid, r in self.records.items():
+            if r.ended or r.in_flight == 0:
+                kinds[0 if r.ended else 1 if r.keep_until <= now else 2].append(pid)
+        for pid in [pid for kind in kinds for pid in kind][:excess]:
             self._end(self.records.pop(pid))
 
 

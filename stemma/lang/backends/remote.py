@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from stemma.lang.backends.base import CURRENT_CALL, Backend, OnText
@@ -35,6 +36,7 @@ class RemoteBackend(Backend):
         self.client = connect(client, connect_timeout=connect_timeout) if isinstance(client, str) else client
         self.connect_timeout = connect_timeout
         self._codec: TokenCodec | None = HFCodec(tokenizer) if tokenizer is not None else None
+        self._codec_lock = threading.Lock()  # programs on a thread pool ask for it at once
 
     def _unreachable(self, why: str) -> BackendUnreachable:
         return BackendUnreachable(f"the stemma server at {self.client.address} is unreachable: {why} "
@@ -52,18 +54,23 @@ class RemoteBackend(Backend):
     @property
     def codec(self) -> TokenCodec:
         if self._codec is None:
-            try:
-                if hasattr(self.client, "check_protocol"):  # an HttpClient: not at a ZeroMQ port
-                    self.client.check_protocol()
-                info = self.client.info(timeout=self.connect_timeout)
-            except Unreachable as exc:  # the client's connect limit: its message names the address
-                raise BackendUnreachable(exc.message) from None
-            except RequestTimeout:
-                raise self._unreachable(f"no answer within {self.connect_timeout:g} s") from None
-            except ServerError as exc:
-                raise self._wrap(exc) from exc
-            self._codec = self._codec_from(info)
+            with self._codec_lock:  # one load: the sync client's socket and transformers' lazy
+                if self._codec is None:  # imports are not for several threads at once
+                    self._codec = self._load_codec()
         return self._codec
+
+    def _load_codec(self) -> TokenCodec:
+        try:
+            if hasattr(self.client, "check_protocol"):  # an HttpClient: not at a ZeroMQ port
+                self.client.check_protocol()
+            info = self.client.info(timeout=self.connect_timeout)
+        except Unreachable as exc:  # the client's connect limit: its message names the address
+            raise BackendUnreachable(exc.message) from None
+        except RequestTimeout:
+            raise self._unreachable(f"no answer within {self.connect_timeout:g} s") from None
+        except ServerError as exc:
+            raise self._wrap(exc) from exc
+        return self._codec_from(info)
 
     def _wrap(self, exc: ServerError) -> Exception:
         if exc.code == WRONG_PROTOCOL:  # reached, but it speaks the other protocol: say which
