@@ -85,6 +85,10 @@ class DispatchTable:
     def from_json(cls, text: str) -> DispatchTable:
         data = json.loads(text)
         data["entries"] = [Entry(**e) for e in data["entries"]]
+        for entry in data["entries"]:  # a damaged entry raises here (ValueError), not at apply()
+            entry.kernels()
+            if any(kernel not in entry.times_ms for kernel in entry.choice):
+                raise ValueError(f"entry {entry.shape} chooses a kernel it did not measure")
         return cls(**data)
 
     def show(self) -> str:

@@ -116,12 +116,19 @@ class DenseWeight:
         return sum(t.numel() * t.element_size() for t in held)
 
 
+_INT8_K_STEP = 16  # torch's int8 kernel (bf16, torch 2.13) reads past a row whose length is not a
+                  # multiple of this: garbage or a crash (k = 40: NaN; 120: inf; 200: SIGSEGV)
+
+
 class Int8Weight:
+    """Per-row int8 weights and scales. `q`'s rows are zero-padded to a multiple of
+    _INT8_K_STEP columns, and the activations with them, which leaves every product as it is."""
     kind = "int8"
     kernels = ("int8",)
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, in_features: int | None = None):
         self.q, self.scales = q, scales
+        self.in_features = q.shape[1] if in_features is None else in_features
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype,
@@ -130,24 +137,30 @@ class Int8Weight:
         w = weight.float()
         # the scale as the kernel will see it (rounded to `dtype`), so each weight is off by at
         # most half a step
-        scales = ((w.abs().amax(dim=1) if absmax is None else absmax) / 127.0).clamp(min=1e-12).to(dtype)
-        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        return cls(q, scales)
+        # (the smallest normal of `dtype`: a tinier scale rounds to 0 in float16)
+        tiny = torch.finfo(dtype).tiny
+        scales = ((w.abs().amax(dim=1) if absmax is None else absmax) / 127.0).clamp(min=tiny).to(dtype)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        k = q.shape[1]
+        return cls(F.pad(q, (0, -k % _INT8_K_STEP)).contiguous(), scales, k)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        return self.q.shape[0], self.in_features
 
     def matmul(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int8pack_mm(_rows_of(x, self.scales.dtype), self.q, self.scales)
+        rows = _rows_of(x, self.scales.dtype)
+        if self.q.shape[1] != self.in_features:
+            rows = F.pad(rows, (0, self.q.shape[1] - self.in_features))
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scales)
         return y.reshape(*lead, -1).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.q[ids].to(self.scales.dtype) * self.scales[ids, None]
+        return self.q[ids, :self.in_features].to(self.scales.dtype) * self.scales[ids, None]
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scales.float()[:, None]
+        return self.q[:, :self.in_features].float() * self.scales.float()[:, None]
 
     def nbytes(self) -> int:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
@@ -180,7 +193,7 @@ class Int4Weight:
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         # scale and zero as the kernel will see them (rounded to `dtype`); (q - 8) * scale + zero
         # spans [lo, hi] in 15 steps
-        scale = ((hi - lo) / 15.0).clamp(min=1e-12).to(dtype).float()
+        scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(dtype).tiny).to(dtype).float()
         zero = (lo + 8.0 * scale).to(dtype).float()
         q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, k).contiguous(), 1)
