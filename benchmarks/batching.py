@@ -147,9 +147,11 @@ def main() -> None:
     def engine_for(mode: str, radix: bool):
         if (mode, radix) not in engines:
             engines.clear()  # one engine (model + KV pool) in memory at a time
+            # the decode compile off: under `auto` one mode's background compile (15-30 s a
+            # batch size) ran on into the next mode's load and measured runs
             engines[(mode, radix)] = e = stemma.Engine(
                 max_running_requests=args.max_batch, enable_radix_cache=radix, batching=mode,
-                kv_pool_tokens=32768, dynamic_wait_ms=50, chunked_prefill_size=1024)
+                kv_pool_tokens=32768, dynamic_wait_ms=50, chunked_prefill_size=1024, compile_decode="off")
             run(e, warm)
         return engines[(mode, radix)]
 

@@ -22,15 +22,18 @@ the graphs of the batch sizes it met compile, again until a round meets no new b
             --new-tokens new tokens. Decode tok/s = (tokens - 1) / (last - first token); TTFT.
   conc4     4 such requests at once; llama-server runs with -np 4.
   conc16    16 at once; -np 16. Generated tok/s = all tokens / wall; ITL = the gaps between
-            the streamed tokens of a request, pooled over requests (p50, p99).
+            the streamed events of a request, pooled over requests (p50, p99).
   batch64   64 requests at once, benchmarks/batching.py's mixed-longtail workload: random-token
-            prompts of 16-64 tokens, outputs lognormal in [8, 128] (median ~22); llama-server
-            with -np --batch-parallel (16), which queues the rest; stemma admits all 64.
+            prompts of 16-64 tokens, outputs lognormal in [8, 128] (median ~22); stemma admits
+            all 64; llama-server is measured at each -np of --batch-parallel (16 32 64) in every
+            round (more slots than requests queue the rest), and its column is the -np whose
+            median tok/s was best in this run (issue 12 compares with llama.cpp's best -np).
 
 Tokens are counted from the stream, not from text: stemma's `stream.token_ids`, llama.cpp's
 `tokens_predicted` (each streamed event carries one token). A token whose text is held back (an
-incomplete UTF-8 character) arrives with the next event; an event of k tokens counts as one gap
-and k - 1 zero gaps. llama.cpp's own timings (the final event's `timings`) and stemma's own TTFT
+incomplete UTF-8 character) arrives with the next event. An event of k tokens (a verify step of
+speculative decoding) counts as one gap, the wait a reader sees; zero gaps for its other tokens
+would pull the percentiles of a side that streams several tokens an event down. llama.cpp's own timings (the final event's `timings`) and stemma's own TTFT
 (the output's meta) are shown beside the client's measurements.
 
 The machine must be otherwise idle: with 2 threads on 2 cores, llama.cpp's spinning thread pool
@@ -107,11 +110,8 @@ class Trace:
         return (n1 - n0) / (t1 - t0) if t1 > t0 else float("nan")
 
     def gaps(self) -> list[float]:
-        out = []
-        for (t0, n0), (t1, n1) in zip(self.events, self.events[1:]):
-            out.append(t1 - t0)
-            out.extend([0.0] * (n1 - n0 - 1))
-        return out
+        """One gap per streamed event after the first (module docstring)."""
+        return [t1 - t0 for (t0, _), (t1, _) in zip(self.events, self.events[1:])]
 
 
 # ---- the two sides ----
@@ -330,7 +330,7 @@ def fresh_like(jobs: list[Job], prompts: Prompts | None, seed: int) -> list[Job]
 
 
 def warmup_jobs(scenario: str, prompts: Prompts, args) -> list[Job]:
-    n = {"single": 1, "batch64": min(16, args.batch_parallel)}.get(scenario, CONCURRENCY.get(scenario, 1))
+    n = {"single": 1, "batch64": 16}.get(scenario, CONCURRENCY.get(scenario, 1))
     return [Job(prompts.ids(), 8) for _ in range(n)]
 
 
@@ -430,7 +430,8 @@ def parse_args(argv=None):
     ap.add_argument("--stemma-options", nargs="*", default=[], metavar="KEY=VALUE",
                     help="EngineConfig fields for stemma.Runtime, e.g. quantization=int8")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
-    ap.add_argument("--batch-parallel", type=int, default=16, help="llama-server -np for batch64")
+    ap.add_argument("--batch-parallel", type=int, nargs="+", default=[16, 32, 64],
+                    help="llama-server -np values measured for batch64 (its best is compared)")
     ap.add_argument("--llama-args", default="", help="extra llama-server flags, one string, e.g. '--poll 0'")
     ap.add_argument("--llama-version", default=llamacpp.LLAMA_CPP_PYTHON_VERSION,
                     help="llama-cpp-python sdist whose llama.cpp is built")
@@ -477,21 +478,34 @@ def undisturbed(rounds: list[dict]) -> list[dict]:
 async def run_all(args, stemma: StemmaSide, llama: LlamaSide, tokenizer) -> dict:
     results = {}
     for si, scenario in enumerate(args.scenarios):
-        parallel = {"single": 1, "batch64": args.batch_parallel}.get(scenario) or CONCURRENCY[scenario]
-        llama.serve(parallel)
+        parallels = args.batch_parallel if scenario == "batch64" else \
+            [{"single": 1}.get(scenario) or CONCURRENCY[scenario]]
         concurrent = scenario != "single"
         prompts = Prompts(tokenizer, args.prompt_len, seed=args.seed * 1000 + si)
-        for side in (stemma, llama):  # warm-up: first-use allocations at this batch size
-            await side.run(warmup_jobs(scenario, prompts, args), concurrent)
+        commands: dict[int, str] = {}
+
+        async def llama_at(parallel: int) -> None:
+            """llama-server at -np `parallel`; a server started for it is warmed up first."""
+            if llama.server is None or llama.server.parallel != parallel:
+                llama.serve(parallel)
+                commands[parallel] = " ".join(llama.server.command)
+                await llama.run(warmup_jobs(scenario, prompts, args), concurrent)
+        for parallel in parallels:  # warm-up: first-use allocations at this batch size
+            await llama_at(parallel)
+        await stemma.run(warmup_jobs(scenario, prompts, args), concurrent)
         if scenario == "single":  # a single stream starts the engine's decode compile: let it settle
             await stemma.settle_compile(prompts, args)
         else:  # the batch sizes of this scenario each have their compiled graph: let them settle
             await stemma.settle_batched(jobs_for(scenario, prompts, args, seed=args.seed * 1000 + 100 * si + 99),
                                         concurrent)
         per_side = {"stemma": [], "llama.cpp": []}
+        per_parallel: dict[int, list[dict]] = {p: [] for p in parallels}  # llama.cpp's, by -np
         for rnd in range(args.rounds):
             jobs = jobs_for(scenario, prompts, args, seed=args.seed * 1000 + 100 * si + rnd)
-            for sj, side in enumerate((stemma, llama)):
+            turns = [(stemma, None)] + [(llama, p) for p in parallels]
+            for sj, (side, parallel) in enumerate(turns):
+                if parallel is not None:
+                    await llama_at(parallel)
                 for attempt in range(1 + args.disturbed_retries):
                     if attempt:  # the same prompts again would hit the prefix caches: fresh ones
                         jobs = fresh_like(jobs, None if scenario == "batch64" else prompts,
@@ -503,7 +517,8 @@ async def run_all(args, stemma: StemmaSide, llama: LlamaSide, tokenizer) -> dict
                     m = measure(scenario, wall, traces)
                     m["foreign_cores"] = audit.foreign_cores
                     key = "decode_tps" if scenario == "single" else "tok_s"
-                    print(f"  {scenario:8s} round {rnd + 1} {side.name:9s} {m[key]:7.1f} "
+                    np_ = f" -np {parallel}" if len(parallels) > 1 and parallel is not None else ""
+                    print(f"  {scenario:8s} round {rnd + 1} {side.name + np_:9s} {m[key]:7.1f} "
                           f"{'decode tok/s' if scenario == 'single' else 'tok/s'}  ttft p50 {m['ttft_p50_ms']:7.1f} ms  "
                           f"itl p50/p99 {m['itl_p50_ms']:.1f}/{m['itl_p99_ms']:.1f} ms  wall {wall:.1f}s  "
                           f"other processes {audit.foreign_cores:.2f} cores", file=sys.stderr, flush=True)
@@ -512,8 +527,12 @@ async def run_all(args, stemma: StemmaSide, llama: LlamaSide, tokenizer) -> dict
                     print(f"    disturbed (other processes used {audit.foreign_cores:.2f} cores)"
                           + ("; measuring again" if attempt < args.disturbed_retries else "; kept"),
                           file=sys.stderr, flush=True)
-                per_side[side.name].append(m)
-        results[scenario] = (per_side, parallel, jobs, " ".join(llama.server.command))
+                (per_side["stemma"] if side is stemma else per_parallel[parallel]).append(m)
+        key = "decode_tps" if scenario == "single" else "tok_s"
+        best = max(parallels, key=lambda p: statistics.median(m[key] for m in per_parallel[p]))
+        per_side["llama.cpp"] = per_parallel[best]
+        sweep = {p: statistics.median(m[key] for m in per_parallel[p]) for p in parallels}
+        results[scenario] = (per_side, best, jobs, commands[best], sweep)
     return results
 
 
@@ -551,7 +570,7 @@ def main(argv=None) -> int:
     sample = Prompts(tokenizer, args.prompt_len, seed=args.seed * 1000).ids()
     print(f"prompts (single/conc): {args.prompt_len} tokens of random common words, fresh per request; e.g. "
           f"{tokenizer.decode(sample, skip_special_tokens=True)[:160]!r}...")
-    for scenario, (per_side, parallel, jobs, command) in results.items():
+    for scenario, (per_side, parallel, jobs, command, sweep) in results.items():
         prompt_lens = [len(j.ids) for j in jobs]
         outs = [j.max_new for j in jobs]
         if scenario == "single":
@@ -563,7 +582,8 @@ def main(argv=None) -> int:
         else:
             what = (f"{len(jobs)} requests at once, mixed-longtail: prompts {min(prompt_lens)}-{max(prompt_lens)} "
                     f"tokens (mean {statistics.fmean(prompt_lens):.0f}), outputs {min(outs)}-{max(outs)} "
-                    f"(median {statistics.median(outs):.0f}, total {sum(outs)}); llama-server -np {parallel}")
+                    f"(median {statistics.median(outs):.0f}, total {sum(outs)}); llama-server -np {parallel}, "
+                    f"its best of -np " + ", ".join(f"{p}: {v:.1f} tok/s" for p, v in sweep.items()))
         print(f"\n== {scenario}: {what}")
         print(f"   $ {command}")
         print(scenario_table(scenario, per_side))

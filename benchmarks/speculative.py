@@ -367,7 +367,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    config = {"kv_pool_tokens": KV_POOL_TOKENS, **collect(args, EngineConfig, skip=("speculative",))}
+    # the decode compile off unless asked for: under `auto` it starts after 128 forwards, inside a
+    # measured run, on one engine and not the other (and a compiled plain decode is no verify step)
+    config = {"kv_pool_tokens": KV_POOL_TOKENS, "compile_decode": "off",
+              **collect(args, EngineConfig, skip=("speculative",))}
     from stemma.engine.engine import Engine
     has_field = "speculative" in {f.name for f in fields(EngineConfig)}
     t0 = time.perf_counter()

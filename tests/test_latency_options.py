@@ -31,3 +31,15 @@ def test_a_text_field_keeps_its_text_and_other_fields_take_literals():
 def test_an_unknown_field_fails_before_anything_starts():
     with pytest.raises(ValueError, match="no_such_field"):
         parse_options(["no_such_field=1"])
+
+
+def test_an_event_of_several_tokens_is_one_gap_and_batch64_sweeps_llama_cpp_s_slots():
+    """A verify step's k tokens come in one event: one wait for the reader, not one wait and
+    k - 1 zero gaps (which pulled a speculating side's percentiles down); batch64 is compared
+    with llama.cpp's best -np of those measured (issue 12), not with -np 16 alone."""
+    latency = _benchmark("latency")
+    trace = latency.Trace(sent=0.0)
+    for now, total in ((1.0, 1), (1.5, 4), (1.6, 5)):
+        trace.add(now, total)
+    assert trace.gaps() == pytest.approx([0.5, 0.1])
+    assert latency.parse_args([]).batch_parallel == [16, 32, 64]
