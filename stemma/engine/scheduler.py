@@ -514,11 +514,12 @@ class Scheduler:
         return plan.finished + list(plan.reqs)
 
     def _book_prompt_logprobs(self, req: Request, n: int, values: list[float] | None) -> None:
+        done = req.kv_len + n >= len(req.input_ids)
+        if (values is not None or done) and not req.prompt_logprobs and req.params.logprob_start == 0:
+            req.prompt_logprobs.append(None)  # the first token has no context (a one-token prompt: all)
         if values is not None:
-            if not req.prompt_logprobs and req.params.logprob_start == 0:
-                req.prompt_logprobs.append(None)  # the first token has no context
             req.prompt_logprobs.extend(values)
-        if req.kv_len + n >= len(req.input_ids):
+        if done:
             req.prompt_logprobs_done = True
 
     @staticmethod

@@ -17,7 +17,9 @@ class IncrementalDetokenizer:
 
     Text is decoded from `prefix_offset`, a few tokens back, so tokenizers that drop a leading
     space when decoding from the middle still produce the right delta. A delta that ends in an
-    incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+    incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it. Tokens go
+    in one at a time, as vLLM takes them, so the text does not depend on how the ids come grouped
+    (a held-back delta held text a later group then released).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True,
@@ -32,8 +34,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, token_ids: Sequence[int]) -> str:
-        self.ids.extend(token_ids)
-        return self._delta(final=False)
+        out = []
+        for token in token_ids:
+            self.ids.append(token)
+            out.append(self._delta(final=False))
+        return "".join(out)
 
     def flush(self) -> str:
         """The held-back tail, incomplete characters included, once no more tokens will come."""
@@ -42,6 +47,8 @@ class IncrementalDetokenizer:
     def _delta(self, final: bool) -> str:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
+        if not full.startswith(prefix):  # a byte run decoded anew (byte fallback gives one U+FFFD
+            prefix, full = "", self._decode(self.ids[self.read_offset:])  # per byte of a bad run)
         if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
