@@ -488,8 +488,8 @@ async def run_all(args, stemma: StemmaSide, llama: LlamaSide, tokenizer) -> dict
             """llama-server at -np `parallel`; a server started for it is warmed up first."""
             if llama.server is None or llama.server.parallel != parallel:
                 llama.serve(parallel)
-                commands[parallel] = " ".join(llama.server.command)
                 await llama.run(warmup_jobs(scenario, prompts, args), concurrent)
+            commands[parallel] = " ".join(llama.server.command)
         for parallel in parallels:  # warm-up: first-use allocations at this batch size
             await llama_at(parallel)
         await stemma.run(warmup_jobs(scenario, prompts, args), concurrent)

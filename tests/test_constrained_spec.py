@@ -112,7 +112,12 @@ def test_schema_regex_enforces_integer_bounds_and_lengths():
     ({"type": "string", "pattern": "^.{3}$"}, r"can match '\"', a backslash or a control character"),
     ({"type": "string", "pattern": "[^a]+"}, r"can match"),
     ({"type": "string", "pattern": "a\\Sb"}, r"can match"),
+    # what outlines-core's (Rust) syntax reads in a class and Python's re does not
+    ({"type": "string", "pattern": "[[:print:]]+"}, r"nested class or a set operation"),
+    ({"type": "string", "pattern": "[a[^b]]"}, r"nested class or a set operation"),
+    ({"type": "string", "pattern": "[a-z&&[^aeiou]]"}, r"nested class or a set operation"),
 ])
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # re on the Rust-syntax patterns, in jsonschema
 def test_bad_or_unsupported_schema_is_named(schema, message):
     with pytest.raises(ValueError, match=r"^json_schema") as err:
         check(SamplingParams(json_schema=schema))

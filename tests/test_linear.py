@@ -44,9 +44,10 @@ def test_int8_matches_its_dequantized_weight(dtype):
 
 def test_int8_takes_rows_of_any_length_and_tiny_rows():
     """torch's int8 kernel read past rows of a length not a multiple of 16 in bfloat16 (k = 40:
-    NaN; 120: inf; 200: a crash), so the store pads them; a zero row's scale is float16's smallest
-    normal (1e-12 rounded to 0 there, and 0 / 0 went into the int8 cast). In a subprocess: the
-    unpadded kernel could take the test run down."""
+    NaN; 120: inf; 200: a crash), so the store pads them; scales floor at the dtype's smallest
+    subnormal (1e-12 rounded to 0 in float16, and 0 / 0 went into the int8 cast), which leaves a
+    row of small weights its 127 steps. In a subprocess: the unpadded kernel could take the test
+    run down."""
     code = """
 import torch
 from stemma.models.weights import Int8Weight
@@ -64,6 +65,9 @@ for k in (24, 40, 120, 200):
                                    atol=0, rtol=1e-2)
 zero = Int8Weight.quantize(torch.zeros(2, 64), torch.float16)
 assert torch.equal(zero.dequantize(), torch.zeros(2, 64))
+small = torch.randn(4, 64) * 2e-4  # its scales are float16 subnormals: 127 steps still
+store = Int8Weight.quantize(small, torch.float16)
+assert ((store.dequantize() - small).abs().max() / small.abs().max()) < 0.01
 print("ok")
 """
     import subprocess

@@ -42,8 +42,8 @@ def format_pattern(fmt: str, where: str) -> str:
 
 def string_pattern(pattern: str, where: str) -> str:
     """`pattern` with ASCII classes, checked to write only what a JSON string holds raw."""
-    rewritten = ascii_classes(pattern)
     try:
+        rewritten = ascii_classes(pattern)
         parsed = parser.parse(rewritten)
     except Exception as exc:  # re.error, or the parser's own faults on odd input
         raise ValueError(f"json_schema at {where}: 'pattern' is not a regex: {exc}") from None
@@ -56,10 +56,16 @@ def string_pattern(pattern: str, where: str) -> str:
 
 
 def ascii_classes(pattern: str) -> str:
-    """`\\d`, `\\w` and `\\s` written out (inside a class or as one); everything else as given."""
+    """`\\d`, `\\w` and `\\s` written out (inside a class or as one); everything else as given.
+    Raises ValueError on what outlines-core's (Rust) syntax reads in a class and Python's does
+    not, so that the check would pass a pattern it reads otherwise: a nested class or a POSIX
+    one (`[[:print:]]` holds '"'), and the set operators `&&`, `--`, `~~`."""
     out, i, n, in_class = [], 0, len(pattern), False
     while i < n:
         ch = pattern[i]
+        if in_class and (ch == "[" or pattern[i:i + 2] in ("&&", "--", "~~")):
+            raise ValueError(f"a class holds {pattern[i:i + 2] if ch != '[' else '['!r} at {i}, which "
+                             "outlines-core reads as a nested class or a set operation; escape it")
         if ch == "\\" and i + 1 < n:
             body = ASCII_CLASSES.get(pattern[i + 1])
             out.append(pattern[i:i + 2] if body is None else body if in_class else f"[{body}]")

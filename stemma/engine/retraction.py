@@ -46,14 +46,16 @@ class Retraction:
 
     def alloc_into(self, req: Request, n: int) -> bool:
         """Allocates n slots at positions [kv_len, kv_len + n) of req's row, retracting requests
-        not yet scheduled this step (req itself last) when the pool is short. False: req was
-        retracted."""
+        not yet scheduled this step when the pool is short: req itself last among those of its
+        priority or lower, and before any of higher priority. False: req was retracted."""
         while True:
             slots = self.cache.alloc(n)
             if slots is not None:
                 self.req_to_slot.write(req.row, req.kv_len, slots)
                 return True
-            victim = self.pick_victim(exclude=req) or req
+            victim = self.pick_victim(exclude=req)
+            if victim is None or req.params.priority < victim.params.priority:
+                victim = req  # the one asking gives way to a request of higher priority
             self.retract(victim)
             if victim is req:
                 return False

@@ -315,7 +315,8 @@ class Scheduler:
         if len(self.running) + rows >= self.config.max_running_requests or self.req_to_slot.available <= rows:
             return False
         decodes = sum(1 for r in self.running if r.is_decoding)
-        reserve = reserve_for(self.running, req, self.config.kv_reserve_ratio)
+        enforced = self.config.batching == "continuous"  # as _admit enforces it
+        reserve = reserve_for(self.running, req, self.config.kv_reserve_ratio) if enforced else 0
         node = self.matches.length_and_node(req)[1]  # matched again: a retraction may split its path
         self.cache.lock(node)
         try:

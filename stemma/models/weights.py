@@ -137,8 +137,8 @@ class Int8Weight:
         w = weight.float()
         # the scale as the kernel will see it (rounded to `dtype`), so each weight is off by at
         # most half a step
-        # (the smallest normal of `dtype`: a tinier scale rounds to 0 in float16)
-        tiny = torch.finfo(dtype).tiny
+        # (at least the smallest subnormal of `dtype`: 1e-12 rounded to 0 in float16)
+        tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
         scales = ((w.abs().amax(dim=1) if absmax is None else absmax) / 127.0).clamp(min=tiny).to(dtype)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         k = q.shape[1]
@@ -193,7 +193,7 @@ class Int4Weight:
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         # scale and zero as the kernel will see them (rounded to `dtype`); (q - 8) * scale + zero
         # spans [lo, hi] in 15 steps
-        scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(dtype).tiny).to(dtype).float()
+        scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(dtype).tiny * torch.finfo(dtype).eps).to(dtype).float()
         zero = (lo + 8.0 * scale).to(dtype).float()
         q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, k).contiguous(), 1)
