@@ -72,6 +72,14 @@ class ProgramRecord:
     keep_until: float = 0.0   # its cached KV is retained until then (perf_counter time)
     ended: bool = False
 
+    def retained(self, now: float) -> bool:
+        """Paused, with its KV retained at `now`."""
+        return not self.ended and self.in_flight == 0 and self.keep_until > now
+
+    def active(self, now: float) -> bool:
+        """Running a call, or paused with its KV retained."""
+        return not self.ended and (self.in_flight > 0 or self.keep_until > now)
+
     def as_dict(self) -> dict:
         prompt = self.prompt_tokens
         return {"program_id": self.program_id, "calls": self.calls, "in_flight": self.in_flight,
@@ -194,7 +202,7 @@ class Programs:
     def active(self) -> int:
         """Programs running a call or paused with their KV retained."""
         now = self.clock()
-        return sum(1 for r in self.records.values() if not r.ended and (r.in_flight or r.keep_until > now))
+        return sum(1 for r in self.records.values() if r.active(now))
 
     def growth(self) -> float:
         """The mean KV tokens a program's call adds to its context (0 before any is measured)."""
@@ -220,10 +228,9 @@ class Programs:
         while a call of it is in flight or its KV is retained: one whose client never ends it
         stops counting once its retention is over (its record stays, up to max_records)."""
         now = self.clock()
-        live = [r for r in self.records.values() if not r.ended and (r.in_flight or r.keep_until > now)]
         recent = list(self.records.values())[-limit:][::-1]
-        return {"programs_live": len(live), "programs_ended": self.ended_count,
-                "programs_retained": sum(1 for r in live if r.in_flight == 0),
+        return {"programs_live": self.active(), "programs_ended": self.ended_count,
+                "programs_retained": sum(1 for r in self.records.values() if r.retained(now)),
                 "programs": [r.as_dict() for r in recent]}
 
     def _end(self, rec: ProgramRecord) -> None:
@@ -243,7 +250,7 @@ class Programs:
         kinds = [[], [], []]  # ended, idle past retention, retained
         for pid, r in self.records.items():
             if r.ended or r.in_flight == 0:
-                kinds[0 if r.ended else 1 if r.keep_until <= now else 2].append(pid)
+                kinds[0 if r.ended else 2 if r.retained(now) else 1].append(pid)
         for pid in [pid for kind in kinds for pid in kind][:excess]:
             self._end(self.records.pop(pid))
 

@@ -116,6 +116,11 @@ class DenseWeight:
         return sum(t.numel() * t.element_size() for t in held)
 
 
+def _scale_floor(dtype: torch.dtype) -> float:
+    """The smallest scale a store keeps: `dtype`'s smallest subnormal (1e-12 was 0 in float16)."""
+    return torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+
+
 _INT8_K_STEP = 16  # torch's int8 kernel (bf16, torch 2.13) reads past a row whose length is not a
                   # multiple of this: garbage or a crash (k = 40: NaN; 120: inf; 200: SIGSEGV)
 
@@ -137,9 +142,8 @@ class Int8Weight:
         w = weight.float()
         # the scale as the kernel will see it (rounded to `dtype`), so each weight is off by at
         # most half a step
-        # (at least the smallest subnormal of `dtype`: 1e-12 rounded to 0 in float16)
-        tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
-        scales = ((w.abs().amax(dim=1) if absmax is None else absmax) / 127.0).clamp(min=tiny).to(dtype)
+        absmax = w.abs().amax(dim=1) if absmax is None else absmax
+        scales = (absmax / 127.0).clamp(min=_scale_floor(dtype)).to(dtype)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         k = q.shape[1]
         return cls(F.pad(q, (0, -k % _INT8_K_STEP)).contiguous(), scales, k)
@@ -193,7 +197,7 @@ class Int4Weight:
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         # scale and zero as the kernel will see them (rounded to `dtype`); (q - 8) * scale + zero
         # spans [lo, hi] in 15 steps
-        scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(dtype).tiny * torch.finfo(dtype).eps).to(dtype).float()
+        scale = ((hi - lo) / 15.0).clamp(min=_scale_floor(dtype)).to(dtype).float()
         zero = (lo + 8.0 * scale).to(dtype).float()
         q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out, k).contiguous(), 1)

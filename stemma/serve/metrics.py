@@ -53,11 +53,8 @@ class FollowedTotal:
 
     def follow(self, value: float, **labels: str) -> None:
         key = tuple(sorted(labels.items()))
-        last = self.last.get(key)
-        self.last[key] = value
-        child = self.counter.labels(**labels) if labels else self.counter
-        if last is None:
-            last = 0
+        last, self.last[key] = self.last.get(key, 0), value
+        child = self.counter.labels(**labels) if labels else self.counter  # exported from the first read
         if value > last:
             child.inc(value - last)
 

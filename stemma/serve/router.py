@@ -92,6 +92,8 @@ class Router:
         alive = [i for i, ok in enumerate(serving) if ok]
         if not alive:
             raise ValueError("no replica is serving")
+        if self.routing.router == "cache_aware":
+            self._rotate()
         index, reason = self._choose(ids, salt, program, loads, alive)
         self.routed[index] += 1
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
@@ -103,7 +105,6 @@ class Router:
             if len(self.programs) > MAX_PROGRAMS:
                 del self.programs[next(iter(self.programs))]
         if self.routing.router == "cache_aware":  # only cache_aware reads (or compares) them
-            self._rotate()
             self.flight[index][0].store(ids, salt)
             self.approx[index].store(ids, salt)
             self.approx[index].evict_lru(self.routing.approx_max_tokens)
@@ -126,7 +127,6 @@ class Router:
         matched = {i: trees[i].match(ids, salt, touch=True) for i in alive}
         self._compare(ids, salt, alive, loads, matched)
         if self.routing.cache_tree == "exact":  # and what is on its way into each cache
-            self._rotate()
             matched = {i: max(m, *(f.match(ids, salt) for f in self.flight[i])) for i, m in matched.items()}
         best = max(matched.values())
         if best and best >= self.routing.cache_threshold * len(ids):
