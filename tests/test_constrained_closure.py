@@ -96,14 +96,15 @@ def vocab(folder):
 
 @pytest.mark.parametrize("regex", [*REGEXES, schema_to_regex(json.dumps(OPEN_SCHEMAS[1]))])
 def test_the_table_holds_shortest_completions_and_restricts_to_them(vocab, regex):
-    index = IndexCache(2).get(regex, vocab)
-    table = RegexClosure.build(index, vocab.eos_token_id)
-    eos = vocab.eos_token_id
+    ends = IndexCache(2).get(regex, vocab)
+    table = RegexClosure.build(ends, vocab.eos_token_id)
+    eos, index = vocab.eos_token_id, ends.index
+    assert ends.end == eos  # marked
     assert table.initial == index.get_initial_state()
     for state in table._states:
         nexts = {t: index.get_next_state(state, t) for t in index.get_allowed_tokens(state) if t != eos}
         d = table.distance(state)
-        if index.is_final_state(state):
+        if ends.accepting(state):
             assert d == 0
         else:  # Bellman: one token, then the best next state
             assert d == 1 + min(table.distance(n) for n in nexts.values()) < UNREACHABLE

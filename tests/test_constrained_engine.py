@@ -265,7 +265,7 @@ def test_ignore_eos_and_min_new_tokens_hold_a_complete_constraint_s_end(folder, 
     assert out.finish_reason == "length" and re.fullmatch("a+", out.text) and len(out.token_ids) == 8
     out = engine.generate("hello", SamplingParams(**base, min_new_tokens=5))
     assert out.finish_reason == "stop" and re.fullmatch("a+", out.text) and len(out.text) >= 5
-    # "(ab)+" after "ab": outlines-core (0.2.14) keeps no byte's way on from a final state, only
+    # "(ab)+" after "ab": outlines-core's own Index (0.2.14) kept no byte's way on from there, only
     # the token "ab"'s; the guide took the missing bytes for an end and stopped there
     assert engine.tokenizer.convert_tokens_to_ids("ab") != engine.tokenizer.unk_token_id
     out = engine.generate("hello", SamplingParams(**{**base, "regex": "(ab)+"}, ignore_eos=True))

@@ -110,6 +110,30 @@ def test_regex_guide_mask_follows_the_index(tok, vocab, cache):
     assert guide.is_terminated()
 
 
+def test_a_regex_guide_goes_on_where_its_regex_may_end(tok, vocab, cache):
+    """outlines-core's own Index drops the ways on from a state where the regex may end: `a|abc`
+    never wrote `abc`, and a number refused `.` after `0`. The marked Index keeps them."""
+    ends = cache.get("a|abc", vocab)
+    assert ends.end == vocab.eos_token_id  # marked
+    guide = RegexGuide(ends, vocab)
+    assert guide.accept(byte(vocab, "a")) and guide.is_final() and not guide.is_terminated()
+    allowed = {vocab.token_bytes[i] for i in allowed_ids(bitmask.fill([guide], vocab.size)[0], vocab.size)}
+    assert b"b" in allowed and b"a" not in allowed
+    assert guide.accept(byte(vocab, "b")) and not guide.is_final()
+    assert guide.accept(byte(vocab, "c")) and guide.is_terminated()
+    number = RegexGuide(cache.get(r"(-)?(0|[1-9][0-9]*)(\.[0-9]+)?", vocab), vocab)
+    assert number.accept(byte(vocab, "0")) and number.is_final() and not number.is_terminated()
+    assert number.accept(byte(vocab, ".")) and not number.is_final()
+    assert number.accept(byte(vocab, "5")) and number.is_final()
+    # a NUL, the mark, is never written; a regex that needs one gets the plain Index
+    anything = RegexGuide(cache.get(r"[\x00-\x7f]{2}", vocab), vocab)
+    assert not anything.accept(byte(vocab, "\x00")) and anything.error
+    plain = cache.get(r"a\x00", vocab)
+    assert plain.end is None
+    guide = RegexGuide(plain, vocab)
+    assert guide.accept_many([byte(vocab, "a"), byte(vocab, "\x00")]) == 2 and guide.is_terminated()
+
+
 def test_index_cache_keys_by_pattern_and_vocabulary(tok, vocab):
     cache = IndexCache(capacity=2)
     first = cache.get(r"\d+", vocab)

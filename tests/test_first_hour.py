@@ -222,6 +222,7 @@ def test_mock_output_fullmatches_regex_and_dtype_and_picks_a_choice():
     assert state["color"] in ("red", "green", "blue")
     data = json.loads(state["j"])
     assert set(data) == {"n", "name"} and isinstance(data["n"], int) and len(data["name"]) <= 8
+    assert re.fullmatch(r'\{"n":-?\d+,"name":"[^"]*"\}', state["j"])  # compact, as the engine's
     assert constrained.run(backend=MockBackend()).vars() == state.vars()  # deterministic
 
 
@@ -233,6 +234,16 @@ def test_mock_constraints_within_the_budget():
     assert state["b"] == "x" and state.meta("b").finish_reason == "stop"
     with pytest.raises(ValueError, match="not grammars"):
         stemma.compile_text('{gen g grammar="start: \\"a\\""}').run(backend=MockBackend())
+    @stemma.function
+    def unique(s):
+        s += stemma.gen("u", json_schema={"type": "array", "uniqueItems": True})
+
+    with pytest.raises(ValueError, match="^json_schema keyword 'uniqueItems'"):  # as the engine
+        unique.run(backend=MockBackend())
+    # where the pattern may end it may also go on (outlines-core's own Index never wrote "abc")
+    outs = {stemma.compile_text(f'{i}: {{gen a regex="a|abc" max_tokens=3}}').run(backend=MockBackend())["a"]
+            for i in range(16)}  # the mock's choices are seeded by the prompt
+    assert outs == {"a", "abc"}
 
 
 # ---- 7. messages ----

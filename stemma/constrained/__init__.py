@@ -10,8 +10,9 @@ under a Lark-syntax grammar.
     after sample Constrainer.advance           accept the token; jump_forward.plan appends forced
                                                tokens, retokenized at the boundary
 
-Files: vocab (token id -> bytes), int_range and json_schema (schema -> regex), spec (what a request
-asks for, checked), index_cache (outlines-core Indexes), guide (regex guide), grammar (llguidance
-guide), closure (budget closure: shortest completions), bitmask, jump_forward, constrainer (what
-the scheduler calls).
+Files: vocab (token id -> bytes), int_range, json_pattern and json_schema (schema -> regex), spec
+(what a request asks for, checked), end_mark (outlines-core Indexes that keep every way on where
+the regex may end), index_cache (their cache), guide (regex guide), grammar (llguidance guide),
+closure (budget closure: shortest completions), bitmask, jump_forward, constrainer (what the
+scheduler calls).
 """

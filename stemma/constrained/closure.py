@@ -11,8 +11,8 @@ alone (it ends "length", and the constrainer says so in the request's meta["erro
 
 Regexes and JSON schemas (outlines-core): d is exact. `RegexClosure.build` walks the Index's
 states and token transitions once (breadth first from the initial state, then backwards from the
-final states) on the constrainer's worker thread, right after the Index is built, and is cached
-with it. Per state it keeps only what a restriction needs: the tokens that make progress (d drops
+states where the regex may end) on the constrainer's worker thread, right after the Index is
+built, and is cached with it. Per state it keeps only what a restriction needs: the tokens that make progress (d drops
 by one), and the few that move further from the end (d grows), sorted by how far. A step whose
 budget is at least the largest d(next) of its state, the usual case, costs a dictionary lookup.
 
@@ -37,8 +37,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
-    from outlines_core import Index
-
+    from stemma.constrained.end_mark import EndIndex
     from stemma.constrained.vocab import TokenVocab
 
 UNREACHABLE = 1 << 30        # d of a state from which no final state can be reached
@@ -83,8 +82,9 @@ class RegexClosure:
         self.kept = sum(len(s.away) + int(s.progress[0].size) for s in states.values())
 
     @classmethod
-    def build(cls, index: Index, eos_token_id: int) -> "RegexClosure":
+    def build(cls, end_index: EndIndex, eos_token_id: int) -> "RegexClosure":
         start = time.perf_counter()
+        index = end_index.index
         initial = index.get_initial_state()
         walked: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # state -> (tokens, next states)
         preds: dict[int, list[int]] = {}
@@ -103,7 +103,7 @@ class RegexClosure:
                 if succ not in seen:
                     seen.add(succ)
                     queue.append(succ)
-        distance = {s: 0 for s in walked if index.is_final_state(s)}
+        distance = {s: 0 for s in walked if end_index.accepting(s)}
         queue = deque(distance)
         while queue:
             state = queue.popleft()

@@ -46,10 +46,10 @@ from stemma.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
-    from outlines_core import Index
     from transformers import PreTrainedTokenizerBase
 
     from stemma.constrained.closure import GrammarClosure, RegexClosure
+    from stemma.constrained.end_mark import EndIndex
     from stemma.constrained.guide import Guide
     from stemma.engine.request import Request
 
@@ -176,7 +176,8 @@ class Constrainer:
                 self.stats.closure_build_time += time.perf_counter() - start
         return self._regex_factory(index, vocab, closure)
 
-    def _regex_factory(self, index: Index, vocab: TokenVocab, closure: RegexClosure | None) -> GuideFactory:
+    def _regex_factory(self, index: EndIndex, vocab: TokenVocab,
+                       closure: RegexClosure | None) -> GuideFactory:
         from stemma.constrained.guide import RegexGuide
         return lambda: RegexGuide(index, vocab, closure)
 

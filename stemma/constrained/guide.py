@@ -16,9 +16,8 @@ from stemma.constrained.vocab import TokenVocab
 
 if TYPE_CHECKING:
     import numpy as np
-    from outlines_core import Index
-
     from stemma.constrained.closure import RegexClosure
+    from stemma.constrained.end_mark import EndIndex
 
 MAX_ROLLBACK = 256    # tokens a guide can step back (jump-forward re-tokenizes its boundary)
 # Bytes tried first when looking for the single forced byte: printable ASCII ends the search fast.
@@ -68,22 +67,23 @@ class Guide(Protocol):
 
 
 class RegexGuide:
-    """A request's walk through an outlines-core Index.
+    """A request's walk through an outlines-core Index (an end_mark.EndIndex: "final" is where
+    the regex may end, not outlines-core's final states).
 
     Forced bytes are found through the vocabulary's 256 single-byte tokens: a byte is allowed next
-    exactly when its token is (a longer token implies its first byte is), so one allowed byte in a
-    non-final state is a forced byte. Vocabularies without all 256 byte tokens force nothing. In a
-    final state that does not hold: outlines-core (0.2.14) keeps only the transitions that end in
-    a final state there, so a multi-byte token may go on where no byte does, and whether a final
-    state goes on is asked of its allowed tokens.
+    exactly when its token is (a longer token implies its first byte is), so one allowed byte
+    where the regex may not end is a forced byte. Vocabularies without all 256 byte tokens force
+    nothing. Where it may end, whether it also goes on is asked of the allowed tokens (a plain
+    Index, from outlines-core 0.2.14, may keep a multi-byte token there and none of its bytes).
     """
 
     exact_closure = True  # shortest() is exact
 
-    def __init__(self, index: Index, vocab: TokenVocab, closure: RegexClosure | None = None):
+    def __init__(self, index: EndIndex, vocab: TokenVocab, closure: RegexClosure | None = None):
         from outlines_core import Guide as OutlinesGuide
-        self._index = index
-        self._guide = OutlinesGuide(index, max_rollback=MAX_ROLLBACK)
+        self._ends = index
+        self._index = index.index
+        self._guide = OutlinesGuide(index.index, max_rollback=MAX_ROLLBACK)
         self._byte_ids = vocab.byte_token_ids
         self._eos = vocab.eos_token_id
         self._closure = closure
@@ -92,7 +92,7 @@ class RegexGuide:
         self.closure_error: str | None = None
         self.closure_acted = False  # set by the constrainer once closure changed this request
         self.closure_logged = False
-        self._goes_on: dict[int, bool] = {}  # final state -> whether a token but EOS is allowed
+        self._goes_on: dict[int, bool] = {}  # final state -> whether a token but the EOS is allowed
 
     def fill_mask(self, address: int, words: int) -> None:
         self._guide.write_mask_into(address, words, 4)
@@ -117,17 +117,17 @@ class RegexGuide:
             self._guide.rollback_state(count)
 
     def is_final(self) -> bool:
-        return self._guide.is_finished()
+        return self._ends.accepting(self._guide.get_state())
 
     def is_terminated(self) -> bool:
         state = self._guide.get_state()
-        return self._index.is_final_state(state) and not self._continues(state)
+        return self._ends.accepting(state) and not self._continues(state)
 
     def forced_bytes(self, limit: int) -> bytes:
         if self._byte_ids is None:
             return b""
         state, out = self._guide.get_state(), bytearray()
-        while len(out) < limit and not self._index.is_final_state(state):
+        while len(out) < limit and not self._ends.accepting(state):
             step = self._single_byte(state)
             if step is None:
                 break

@@ -5,6 +5,8 @@ two), so it is built once per (pattern, tokenizer) and shared by every request t
 Builds run on the constrainer's worker thread (outlines-core releases the GIL while building);
 lookups come from the scheduler thread, hence the lock.
 
+Each Index is an end_mark.EndIndex: built for the regex with an end mark, so that no way on from
+a state where the regex may end is lost (outlines-core drops them), or plainly where that fails.
 With an Index the cache keeps its budget-closure table (closure.RegexClosure: every state's
 shortest-completion length), built on the same worker right after the Index and evicted with it.
 """
@@ -16,10 +18,13 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from stemma.constrained import end_mark
+
 if TYPE_CHECKING:
-    from outlines_core import Index, Vocabulary
+    from outlines_core import Vocabulary
 
     from stemma.constrained.closure import RegexClosure
+    from stemma.constrained.end_mark import EndIndex
     from stemma.constrained.vocab import TokenVocab
 
 
@@ -31,13 +36,13 @@ class IndexCache:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[str, str], Index] = OrderedDict()
-        self._vocabularies: dict[str, Vocabulary] = {}  # by TokenVocab fingerprint
+        self._entries: OrderedDict[tuple[str, str], EndIndex] = OrderedDict()
+        self._vocabularies: dict[tuple[str, bool], Vocabulary] = {}  # by (fingerprint, marked)
         self._closures: dict[tuple[str, str], RegexClosure] = {}  # of the cached Indexes only
         self._lock = threading.Lock()
         self.builds = 0
 
-    def lookup(self, regex: str, fingerprint: str) -> Index | None:
+    def lookup(self, regex: str, fingerprint: str) -> EndIndex | None:
         """The cached Index, or None."""
         with self._lock:
             index = self._entries.get((regex, fingerprint))
@@ -45,17 +50,17 @@ class IndexCache:
                 self._entries.move_to_end((regex, fingerprint))
             return index
 
-    def get(self, regex: str, vocab: TokenVocab) -> Index:
+    def get(self, regex: str, vocab: TokenVocab) -> EndIndex:
         """The Index of `regex` over `vocab`, built here when not cached."""
         index = self.lookup(regex, vocab.fingerprint)
         if index is not None:
             return index
-        from outlines_core import Index
         started = time.perf_counter()
         logger.info("building the constraint index of a new pattern (%d-char regex) over %d tokens; "
                     "requests with it wait until it is built (about 1-2 s on a large vocabulary, "
                     "then cached)", len(regex), vocab.size)
-        index = Index(regex, self._vocabulary(vocab))
+        index = end_mark.build(regex, self._vocabulary(vocab, marked=True),
+                               lambda: self._vocabulary(vocab, marked=False), vocab.eos_token_id)
         logger.info("built the constraint index in %.1f s", time.perf_counter() - started)
         with self._lock:
             self.builds += 1
@@ -71,7 +76,7 @@ class IndexCache:
         with self._lock:
             return self._closures.get((regex, fingerprint), missing)
 
-    def add_closure(self, regex: str, vocab: TokenVocab, index: Index) -> RegexClosure | None:
+    def add_closure(self, regex: str, vocab: TokenVocab, index: EndIndex) -> RegexClosure | None:
         """Builds the closure table of `index` (the Index of `regex` over `vocab`) and keeps it
         while the Index is cached; None (kept too, so it is not tried again) when it cannot be
         built (an Index with too many transitions)."""
@@ -89,10 +94,14 @@ class IndexCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _vocabulary(self, vocab: TokenVocab) -> Vocabulary:
-        """outlines-core's Vocabulary of a TokenVocab (its text tokens and EOS), made once."""
+    def _vocabulary(self, vocab: TokenVocab, marked: bool) -> Vocabulary:
+        """outlines-core's Vocabulary of a TokenVocab, made once: marked (end_mark.marked_vocabulary,
+        its stand-in EOS the id past the vocabulary), or plain (the text tokens and the EOS)."""
         from outlines_core import Vocabulary
-        made = self._vocabularies.get(vocab.fingerprint)
+        made = self._vocabularies.get((vocab.fingerprint, marked))
         if made is None:
-            made = self._vocabularies[vocab.fingerprint] = Vocabulary(vocab.eos_token_id, vocab.text_map())
+            text = vocab.text_map()
+            made = (end_mark.marked_vocabulary(text, vocab.eos_token_id, vocab.size) if marked
+                    else Vocabulary(vocab.eos_token_id, text))
+            self._vocabularies[(vocab.fingerprint, marked)] = made
         return made

@@ -1,6 +1,6 @@
 """Constrained output for the mock backend: deterministic text that fullmatches a regex (or a
-JSON schema's regex), walked through outlines-core's Index, the library the engine's own regex
-and schema constraints run on.
+JSON schema's regex, made and checked by the engine's stemma.constrained.spec), walked through an
+end-marked outlines-core Index (stemma.constrained.end_mark), as the engine's constraints are.
 
 The mock's tokens are characters (id = code point), so its vocabulary here is one token per
 character: printable ASCII, tab and newline, and every other character the pattern names. At
@@ -23,20 +23,21 @@ from typing import Sequence
 from stemma.sampling_params import SamplingParams
 
 EOS = 0  # the Index's end token; not a character the mock ever emits
+STAND_IN = 0x110000  # the marked Index's stand-in EOS: past every code point
 _BASE = "\t\n" + "".join(chr(c) for c in range(32, 127))
 STOP_CHANCE = 0.25  # in an accepting state that may go on, how often the walk ends there
 
 
 def pattern_of(params: SamplingParams) -> str | None:
-    """The regex a request's output must fullmatch: its regex, or its JSON schema's; None when
-    unconstrained. A grammar is refused: the mock has no Lark engine."""
+    """The regex a request's output must fullmatch: its regex, or its JSON schema's, made and
+    checked as the engine does (a constraint the engine refuses is refused here, with its
+    message); None when unconstrained. A grammar is refused: the mock has no Lark engine."""
     if params.grammar is not None:
         raise ValueError("MockBackend runs regex, dtype and json_schema constraints (outlines-core), "
                          "not grammars; test a grammar program on a model backend")
-    if params.json_schema is not None:
-        from outlines_core.json_schema import build_regex_from_schema
-        return build_regex_from_schema(params.json_schema)
-    return params.regex
+    from stemma.constrained.spec import check
+    spec = check(params)
+    return None if spec is None else spec.source
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,20 @@ class _Automaton:
 
 @lru_cache(maxsize=64)
 def _automaton(pattern: str) -> _Automaton:
-    from outlines_core import Index, Vocabulary
+    from outlines_core import Vocabulary
+
+    from stemma.constrained import end_mark
     chars = sorted(set(_BASE) | {c for c in pattern if ord(c) > 126})
-    try:
-        index = Index(pattern, Vocabulary(EOS, {c: [ord(c)] for c in chars}))
+    text = {c.encode(): [ord(c)] for c in chars}
+    try:  # marked: outlines-core keeps every way on from where the pattern may end
+        ends = end_mark.build(pattern, end_mark.marked_vocabulary(text, EOS, STAND_IN),
+                              lambda: Vocabulary(EOS, text), EOS)
     except Exception as exc:  # outlines-core's own error types: a pattern it cannot compile
         raise ValueError(f"regex {pattern!r}: {exc}") from None
-    moves = {state: {t: nxt for t, nxt in out.items() if t != EOS}
+    index = ends.index
+    moves = {state: {t: nxt for t, nxt in out.items() if t not in (EOS, STAND_IN)}
              for state, out in index.get_transitions().items()}
-    finals = frozenset(s for s in index.get_final_states() if s in moves or s == index.get_initial_state())
+    finals = frozenset(s for s in moves if ends.accepting(s))
     return _Automaton(index.get_initial_state(), finals, moves, _distances(moves, finals))
 
 
