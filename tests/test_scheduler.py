@@ -293,3 +293,50 @@ def test_a_request_retracted_by_an_earlier_chunk_of_its_step_is_not_scheduled_ag
     assert h.scheduler.counters.retractions >= 2
     for r in reqs:
         assert r.finished and r.output_ids == expected(r.input_ids, r.params.max_new_tokens)
+
+
+class _Pool:
+    """A KV pool of `free` slots for Retraction alone: a retracted request gives its slots back."""
+    def __init__(self, free: int):
+        self.free = free
+
+    def alloc(self, n: int):
+        if self.free < n:
+            return None
+        self.free -= n
+        return list(range(n))
+
+
+class _Rows:
+    def write(self, row, start, slots):
+        pass
+
+
+@pytest.mark.parametrize("others, retracted", [
+    ({"low": 0, "high": 9}, ["low"]),      # a lower priority gives way first
+    ({"same": 5, "high": 9}, ["same"]),    # as does an equal one with less progress
+    ({"high": 9, "higher": 10}, ["asker"]),  # the asker gives way before any of higher priority
+])
+def test_a_kv_retraction_takes_the_asker_before_a_higher_priority(others, retracted):
+    from collections import deque
+    from types import SimpleNamespace
+
+    from stemma.engine.counters import Counters
+    from stemma.engine.retraction import Retraction
+
+    def req(name, priority, progress):
+        return SimpleNamespace(name=name, params=SimpleNamespace(priority=priority), row=0, kv_len=0,
+                               output_ids=[0] * progress, arrival=0.0, retractions=0,
+                               prompt_logprobs_done=True, prompt_logprobs=[], state=None)
+    asker = req("asker", 5, progress=3)
+    running = [asker] + [req(name, p, progress=1) for name, p in others.items()]
+    pool, waiting = _Pool(free=0), deque()
+    held = {id(r): 4 for r in running}
+
+    def release(r):
+        pool.free += held.pop(id(r))
+        running.remove(r)
+
+    retraction = Retraction(running, waiting, SimpleNamespace(alloc=pool.alloc), _Rows(), release, Counters())
+    assert retraction.alloc_into(asker, 4) == (retracted != ["asker"])
+    assert [r.name for r in waiting] == retracted
