@@ -125,13 +125,15 @@ def test_a_regex_guide_goes_on_where_its_regex_may_end(tok, vocab, cache):
     assert number.accept(byte(vocab, "0")) and number.is_final() and not number.is_terminated()
     assert number.accept(byte(vocab, ".")) and not number.is_final()
     assert number.accept(byte(vocab, "5")) and number.is_final()
-    # a NUL, the mark, is never written; a regex that needs one gets the plain Index
+    # a NUL, the mark, is never written; a regex that could reach a state from which every way
+    # to an end writes one gets the plain Index (marked, its guide could never end there)
     anything = RegexGuide(cache.get(r"[\x00-\x7f]{2}", vocab), vocab)
     assert not anything.accept(byte(vocab, "\x00")) and anything.error
-    plain = cache.get(r"a\x00", vocab)
-    assert plain.end is None
-    guide = RegexGuide(plain, vocab)
-    assert guide.accept_many([byte(vocab, "a"), byte(vocab, "\x00")]) == 2 and guide.is_terminated()
+    for regex, text in ((r"a\x00", "a\x00"), (r"a+\x00", "aa\x00"), (r"b|a+\x00", "aa\x00")):
+        plain = cache.get(regex, vocab)
+        assert plain.end is None, regex
+        guide = RegexGuide(plain, vocab)
+        assert guide.accept_many([byte(vocab, c) for c in text]) == len(text) and guide.is_terminated()
 
 
 def test_index_cache_keys_by_pattern_and_vocabulary(tok, vocab):

@@ -116,6 +116,10 @@ def test_schema_regex_enforces_integer_bounds_and_lengths():
     ({"type": "string", "pattern": "[[:print:]]+"}, r"nested class or a set operation"),
     ({"type": "string", "pattern": "[a[^b]]"}, r"nested class or a set operation"),
     ({"type": "string", "pattern": "[a-z&&[^aeiou]]"}, r"nested class or a set operation"),
+    # an anchor between the quotes could never be met: only a leading ^ and a trailing $ go
+    ({"type": "string", "pattern": "a^b"}, r"'pattern' 'a\^b' has an anchor or a word boundary"),
+    ({"type": "string", "pattern": "^a|b$"}, r"has an anchor"),
+    ({"type": "string", "pattern": "\\bab"}, r"has an anchor"),
 ])
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # re on the Rust-syntax patterns, in jsonschema
 def test_bad_or_unsupported_schema_is_named(schema, message):
@@ -127,6 +131,8 @@ def test_bad_or_unsupported_schema_is_named(schema, message):
 @pytest.mark.parametrize("schema,good,bad", [
     ({"type": "string", "pattern": "^\\d{3}-\\w+$"}, ["123-ab_9"], ["\u0661\u0662\u0663-ab", "123-\u00e9"]),
     ({"type": "string", "pattern": "a\\sb"}, ["a b", "a\u00a0b"], ["a\tb", "a\nb"]),
+    ({"type": "string", "pattern": "[a-z]+$"}, ["ab"], ["ab$", ""]),  # the $ went in as written
+    ({"type": "string", "pattern": "^[a-z]+"}, ["ab"], ["^ab"]),
     ({"type": "string", "format": "date"}, ["2024-02-29"], ["\u0662024-02-29", "2024-13-01"]),
     ({"type": "string", "format": "time"}, ["23:59:59Z", "01:02:03.25+05:30"], ["01:02:03\\75Z", "01:02:03"]),
     ({"type": "string", "format": "date-time"}, ["2024-01-02T03:04:05Z"], ["2024-01-02 03:04:05Z"]),

@@ -13,8 +13,9 @@ may end in a state exactly where the EOS id (the NUL) leads to a final state. No
 NUL, so the final states are reached through the EOS id alone, which a guide never accepts (an end
 token ends the request): the stand-in is never written into a mask.
 
-The cost: a constrained output never writes a NUL. A regex whose every match holds a NUL, or one
-that cannot be built so (`a$`), gets the plain Index, cut short as above.
+The cost: a constrained output never writes a NUL. A regex that could reach a state from which
+every way to an end writes one (`a+\\x00`), or that cannot be built so (`a$`, or an `(?x)`
+comment at its end, which swallows the mark), gets the plain Index, cut short as above.
 """
 from __future__ import annotations
 
@@ -51,10 +52,11 @@ def marked_vocabulary(text_map: dict[bytes, list[int]], eos: int, stand_in: int)
 
 
 def build(regex: str, marked: Vocabulary, plain: Callable[[], Vocabulary], eos: int) -> EndIndex:
-    """The EndIndex of `regex`: marked (`marked` from marked_vocabulary with `eos`) where it
-    builds, else plain (`plain()` gives the Vocabulary of the text tokens under `eos`)."""
+    """The EndIndex of `regex`: marked (`marked` from marked_vocabulary with `eos`) where that
+    leaves no dead end and builds, else plain (`plain()` gives the Vocabulary of the text tokens
+    under `eos`)."""
     from outlines_core import Index
-    if _matches_without_mark(regex):
+    if marks_cleanly(regex):
         try:
             return EndIndex(Index(f"(?:{regex})\\x00", marked), eos)
         except ValueError:
@@ -63,18 +65,45 @@ def build(regex: str, marked: Vocabulary, plain: Callable[[], Vocabulary], eos: 
 
 
 @lru_cache(maxsize=256)
-def _matches_without_mark(regex: str) -> bool:
-    """Whether `regex` matches some text without a NUL: its Index over the other 255 bytes builds
-    (outlines-core's build fails where no final state can be reached)."""
+def marks_cleanly(regex: str) -> bool:
+    """Whether `regex` builds marked and, in its marked Index, may still end from every state a
+    guide can reach: one whose every way to an end writes a NUL (the mark, never taken as text)
+    would be a dead end. Checked on single bytes, which every token is a run of: the Index of
+    `regex` marked over the 255 other bytes, walked forward from the start and back from where
+    it may end. (True also proves the regex compiles: spec's check asks this first.)"""
     from outlines_core import Index
     try:
-        Index(regex, _bytes_but_mark())
+        index = Index(f"(?:{regex})\\x00", _marked_bytes())
     except ValueError:
         return False
-    return True
+    ahead = {state: {nxt for t, nxt in out.items() if t != _BYTE_END}
+             for state, out in index.get_transitions().items()}
+    behind: dict[int, set[int]] = {}
+    for state, nexts in ahead.items():
+        for nxt in nexts:
+            behind.setdefault(nxt, set()).add(state)
+    ends = [state for state in ahead if _ends(index, state)]
+    return _reached([index.get_initial_state()], ahead) <= _reached(ends, behind)
+
+
+def _ends(index: Index, state: int) -> bool:
+    after = index.get_next_state(state, _BYTE_END)
+    return after is not None and index.is_final_state(after)
+
+
+def _reached(start: list[int], edges: dict[int, set[int]]) -> set[int]:
+    seen, todo = set(start), list(start)
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+_BYTE_END = 0  # the mark's id in the byte vocabulary
 
 
 @lru_cache(maxsize=1)
-def _bytes_but_mark() -> Vocabulary:
-    from outlines_core import Vocabulary
-    return Vocabulary(256, {bytes([b]): [b] for b in range(256) if bytes([b]) != MARK})
+def _marked_bytes() -> Vocabulary:
+    return marked_vocabulary({bytes([b]): [b] for b in range(256)}, _BYTE_END, 256)

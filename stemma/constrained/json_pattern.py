@@ -5,9 +5,10 @@ can write `"`, a backslash or a control character into the JSON, which then does
 `\\d` and `\\w` match any Unicode digit or letter, where JSON Schema's (ECMA-262's) match ASCII only.
 So a pattern's `\\d` and `\\w` are written out as their ASCII classes and `\\s` as ECMA's blanks that
 a JSON string holds as they are (its tab and line breaks would need escapes), and a pattern that can
-still match one of those characters is refused, naming the keyword. Its own regexes for the
-formats have the same faults (`\\d`; a `time` whose fraction is a literal backslash), so the formats
-kept are written here; the others are refused.
+still match one of those characters is refused, naming the keyword. The string matches the
+pattern whole: a leading `^` and a trailing `$` are dropped, any other anchor is refused. Its own
+regexes for the formats have the same faults (`\\d`; a `time` whose fraction is a literal
+backslash), so the formats kept are written here; the others are refused.
 """
 from __future__ import annotations
 
@@ -52,7 +53,41 @@ def string_pattern(pattern: str, where: str) -> str:
                          "backslash or a control character (through '.', a negated class, \\s, "
                          "\\D, \\W or \\S, or as written), which a JSON string cannot hold as "
                          "they are; name the characters it allows")
+    return _unanchored(rewritten, list(parsed), pattern, where)
+
+
+def _unanchored(rewritten: str, items: list, pattern: str, where: str) -> str:
+    """`rewritten` without a leading `^` and a trailing `$`: the string matches the pattern whole
+    anyway, as `^...$` asks. Any other anchor is refused: between the quotes it could never be
+    met, so an output could never end (`[a-z]+$` went into the regex as `"[a-z]+$"`)."""
+    if items[:1] == [(C.AT, C.AT_BEGINNING)]:
+        rewritten, items = rewritten[1:], items[1:]
+    if items[-1:] == [(C.AT, C.AT_END)]:
+        rewritten, items = rewritten[:-1], items[:-1]
+    if _has_anchor(items):
+        raise ValueError(f"json_schema at {where}: 'pattern' {pattern!r} has an anchor or a word "
+                         "boundary other than a leading '^' and a trailing '$'; the string "
+                         "matches the pattern whole, so write it without one")
     return rewritten
+
+
+def _has_anchor(items: list) -> bool:
+    for op, arg in items:
+        if op is C.AT:
+            return True
+        if op in (C.MAX_REPEAT, C.MIN_REPEAT) or op is getattr(C, "POSSESSIVE_REPEAT", None):
+            found = _has_anchor(list(arg[2]))
+        elif op is C.SUBPATTERN:
+            found = _has_anchor(list(arg[3]))
+        elif op is C.BRANCH:
+            found = any(_has_anchor(list(branch)) for branch in arg[1])
+        elif op is getattr(C, "ATOMIC_GROUP", None):
+            found = _has_anchor(list(arg))
+        else:
+            found = False
+        if found:
+            return True
+    return False
 
 
 def ascii_classes(pattern: str) -> str:

@@ -73,6 +73,9 @@ def _byte_vocabulary():
 
 
 def _check_regex(field: str, regex: str) -> None:
+    from stemma.constrained import end_mark
+    if end_mark.marks_cleanly(regex):  # built over bytes (and cached for the Index build)
+        return
     from outlines_core import Index
     try:
         Index(regex, _byte_vocabulary())
