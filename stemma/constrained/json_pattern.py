@@ -72,22 +72,8 @@ def _unanchored(rewritten: str, items: list, pattern: str, where: str) -> str:
 
 
 def _has_anchor(items: list) -> bool:
-    for op, arg in items:
-        if op is C.AT:
-            return True
-        if op in (C.MAX_REPEAT, C.MIN_REPEAT) or op is getattr(C, "POSSESSIVE_REPEAT", None):
-            found = _has_anchor(list(arg[2]))
-        elif op is C.SUBPATTERN:
-            found = _has_anchor(list(arg[3]))
-        elif op is C.BRANCH:
-            found = any(_has_anchor(list(branch)) for branch in arg[1])
-        elif op is getattr(C, "ATOMIC_GROUP", None):
-            found = _has_anchor(list(arg))
-        else:
-            found = False
-        if found:
-            return True
-    return False
+    return any(op is C.AT or any(_has_anchor(part) for part in _inner(op, arg) or ())
+               for op, arg in items)
 
 
 def ascii_classes(pattern: str) -> str:
@@ -119,7 +105,11 @@ def ascii_classes(pattern: str) -> str:
 
 def _may_write_unwritable(items: list) -> bool:
     for op, arg in items:
-        if op is C.LITERAL:
+        inner = _inner(op, arg)
+        if inner is not None:
+            if any(_may_write_unwritable(part) for part in inner):
+                return True
+        elif op is C.LITERAL:
             if arg in UNWRITABLE:
                 return True
         elif op in (C.NOT_LITERAL, C.ANY):
@@ -127,21 +117,22 @@ def _may_write_unwritable(items: list) -> bool:
         elif op is C.IN:
             if _class_may_hold_unwritable(arg):
                 return True
-        elif op in (C.MAX_REPEAT, C.MIN_REPEAT) or op is getattr(C, "POSSESSIVE_REPEAT", None):
-            if _may_write_unwritable(list(arg[2])):
-                return True
-        elif op is C.SUBPATTERN:
-            if _may_write_unwritable(list(arg[3])):
-                return True
-        elif op is C.BRANCH:
-            if any(_may_write_unwritable(list(branch)) for branch in arg[1]):
-                return True
-        elif op is getattr(C, "ATOMIC_GROUP", None):
-            if _may_write_unwritable(list(arg)):
-                return True
         elif op is not C.AT:
             return True  # lookarounds, back references, conditionals: not taken apart here
     return False
+
+
+def _inner(op, arg) -> list[list] | None:
+    """The item lists inside a repeat, a group or an alternation; None for any other item."""
+    if op in (C.MAX_REPEAT, C.MIN_REPEAT) or op is getattr(C, "POSSESSIVE_REPEAT", None):
+        return [list(arg[2])]
+    if op is C.SUBPATTERN:
+        return [list(arg[3])]
+    if op is C.BRANCH:
+        return [list(branch) for branch in arg[1]]
+    if op is getattr(C, "ATOMIC_GROUP", None):
+        return [list(arg)]
+    return None
 
 
 def _class_may_hold_unwritable(items: list) -> bool:
