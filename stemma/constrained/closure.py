@@ -12,9 +12,10 @@ alone (it ends "length", and the constrainer says so in the request's meta["erro
 Regexes and JSON schemas (outlines-core): d is exact. `RegexClosure.build` walks the Index's
 states and token transitions once (breadth first from the initial state, then backwards from the
 states where the regex may end) on the constrainer's worker thread, right after the Index is
-built, and is cached with it. Per state it keeps only what a restriction needs: the tokens that make progress (d drops
-by one), and the few that move further from the end (d grows), sorted by how far. A step whose
-budget is at least the largest d(next) of its state, the usual case, costs a dictionary lookup.
+built, and is cached with it. Per state it keeps only what a restriction needs: the tokens that
+make progress (d drops by one), and the few that move further from the end (d grows), sorted by
+how far. A step whose budget is at least the largest d(next) of its state, the usual case, costs
+a dictionary lookup.
 
 Grammars (llguidance): llguidance has no shortest-path facility, and its matcher states can be
 neither enumerated nor compared. `GrammarSearch` finds a short completion by a bounded breadth-
@@ -37,6 +38,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
+
     from stemma.constrained.end_mark import EndIndex
     from stemma.constrained.vocab import TokenVocab
 

@@ -16,6 +16,7 @@ from stemma.constrained.vocab import TokenVocab
 
 if TYPE_CHECKING:
     import numpy as np
+
     from stemma.constrained.closure import RegexClosure
     from stemma.constrained.end_mark import EndIndex
 
@@ -92,7 +93,7 @@ class RegexGuide:
         self.closure_error: str | None = None
         self.closure_acted = False  # set by the constrainer once closure changed this request
         self.closure_logged = False
-        self._goes_on: dict[int, bool] = {}  # final state -> whether a token but the EOS is allowed
+        self._goes_on: dict[int, bool] = {}  # state where it may end -> a token but EOS is allowed
 
     def fill_mask(self, address: int, words: int) -> None:
         self._guide.write_mask_into(address, words, 4)
