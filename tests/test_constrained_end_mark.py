@@ -63,3 +63,12 @@ def test_the_marked_index_allows_exactly_the_starts_of_matches(regex):
                 frontier.append(longer)
     if marked:
         assert {t for t in reached if t in matches} == {m for m in usable if len(m) <= LONGEST}
+
+
+def test_a_regex_too_large_to_walk_stays_plain():
+    """The dead-end walk holds the GIL, so it stops at MAX_WALK byte transitions: a pathological
+    pattern's check (2**15 states, two ways on each) took 0.7 s of the engine loop's GIL, and a
+    simple request behind three of them waited 3.9 s in a full suite."""
+    from stemma.constrained import end_mark
+    assert not end_mark.marks_cleanly("(a|b)*a(a|b){15}")
+    assert end_mark.marks_cleanly("(a|b)*a(a|b){3}")
