@@ -240,3 +240,27 @@ def test_presets_fill_what_is_not_given():
         EngineConfig(default_itl_slo_ms=0)
     with pytest.raises(ValueError, match="priority_preemption_gap"):
         EngineConfig(priority_preemption_gap=0)
+
+
+@pytest.mark.parametrize("max_running, preempted", [(2, 0), (1, 1)])
+def test_a_request_that_may_preempt_is_not_held_by_retained_kv(max_running, preempted):
+    # program policy: a paused program's KV is retained; a waiting request that outranks a running
+    # one by the gap takes the room it needs, as retained KV ranks below running requests. With
+    # room in the batch the retained KV goes and "low" runs on; with the batch full "low" is
+    # preempted, and the urgent request is then admitted, not held back (preempted in vain)
+    from stemma.program_call import ProgramCall
+    h = harness(None, pool=64, max_running=max_running, priority_preemption_gap=10,
+                schedule_policy="program", radix_eviction="program")
+    call = Request(rid="p-0", input_ids=list(range(100, 130)), call=ProgramCall("p", 0, pause_s=5.0),
+                   params=SamplingParams(max_new_tokens=2, temperature=0))
+    h.scheduler.add(call)
+    h.run()
+    assert h.scheduler.programs.stats()["programs_retained"] == 1  # ~31 tokens kept for p's next call
+    low = add(h, "low", list(range(10, 20)), new=30)
+    h.step()
+    h.step()
+    urgent = add(h, "urgent", list(range(200, 240)), new=2, priority=10)  # more than low's KV frees
+    h.step()
+    assert urgent.admitted_once                                  # not held until the retention ends
+    assert h.scheduler.counters.preemptions == preempted
+    finish_all(h, [low, urgent])

@@ -14,11 +14,13 @@ program-aware parts read:
   likely back soonest);
 - with both, admission respects retention (`RetentionGuard`): a waiting request that would have
   to evict KV retained for other programs, or take the room the active programs' next calls are
-  expected to grow into, waits, unless it resumes its own program or has starved. While nothing
-  runs, only the KV of paused programs (expected back) holds a call back, never the KV of
-  programs whose own calls wait in the queue, so waiting calls cannot hold each other up; the
-  engine then sleeps until that retention ends, a held call starves, or a call arrives. Running
-  requests are never held back by it: their growth evicts retained KV, last.
+  expected to grow into, waits, unless it resumes its own program or has starved (or, as the
+  scheduler decides, may preempt a running request by priority: retained KV ranks below
+  running requests). While nothing runs, only the KV of paused programs (expected back) holds
+  a call back, never the KV of programs whose own calls wait in the queue, so waiting calls
+  cannot hold each other up; the engine then sleeps until that retention ends, a held call
+  starves, or a call arrives. Running requests are never held back by it: their growth evicts
+  retained KV, last.
 
 Retention: when a call that `continues` finishes, the program's KV is kept until `keep_until` =
 now + a time-to-live of `RETENTION_FACTOR` x the pause expected before its next call, plus

@@ -97,6 +97,7 @@ class Scheduler:
                                      self.counters)
         self._wake = threading.Event()  # set on new work: a request added, a guide built
         self._held_until: float | None = None  # nothing runs and retention holds calls back until then
+        self._outranking: set[int] = set()  # ids of this step's waiting requests with preemption victims
 
     # ---- queue ----
     def check(self, params: SamplingParams) -> ConstraintSpec | Future | None:
@@ -227,6 +228,7 @@ class Scheduler:
                               self.retraction, self.counters)
         self.target = None
         self._held_until = None
+        self._outranking = set()
         if self.slo.in_play(self.running) or self.slo.in_play(self.waiting):
             self._preempt_for_priority()
             self.target = self._give_way()
@@ -293,13 +295,15 @@ class Scheduler:
 
     def _preempt_for_priority(self) -> None:
         """Retracts running requests at least priority_preemption_gap below a waiting request
-        that has no room (batch full, KV short), lowest first, until admission would take it."""
+        that has no room (batch full, KV short), lowest first, until admission would take it.
+        Such a request outranks retained KV too (`_outranking`): it ranks below running requests."""
         gap = self.config.priority_preemption_gap
         rows = tokens = 0  # what the waiting requests seen so far will claim
         for req in self.slo.order(list(self.waiting)):
             pool = victims(self.running, req.params.priority - gap + 1)
             if not pool:
                 break  # in priority order: the ones after it have no victims either
+            self._outranking.add(id(req))
             need = min(len(req.tokens) - self.matches.length_and_node(req)[0],
                        self.config.chunk_size or len(req.tokens))
             while pool and not self._has_room(req, rows, tokens + need):
@@ -403,7 +407,8 @@ class Scheduler:
                 continue
             if not self._admit_fits(plan, req):
                 continue
-            if guard is not None and not guard.fits(req, self.matches.length_and_node(req)[0]):
+            if (guard is not None and id(req) not in self._outranking
+                    and not guard.fits(req, self.matches.length_and_node(req)[0])):
                 continue
             budget = admission.budget
             if self.target is not None:  # this admission's chunk kept within the step's target
