@@ -192,8 +192,10 @@ def test_data_shows_the_tree_the_requests_and_the_series(engine):
     generated = state.history[1][1]["generated_tokens"] - state.history[0][1]["generated_tokens"]
     assert s["t"] == [-2.0, 0.0] and s["tokens_per_s"] == [None, generated / 2.0] and generated == 10
     assert s["hit_rate"] == [h["cache_hit_rate"] for _, h in state.history]
-    assert s["kv_usage"] == [h["pool_usage"] for _, h in state.history] and 0 < s["kv_usage"][1] < 1
+    assert s["kv_usage"] == [h["kv_usage"] for _, h in state.history] and 0 < s["kv_usage"][1] < 1
     latest = data["latest"]
+    # the requests' KV (as /metrics counts it) and the pool held, cached prefixes included
+    assert latest["kv_usage"] == state.history[-1][1]["kv_usage"] <= latest["pool_usage"]
     assert (latest["running"], latest["queue"], latest["recent_tokens_per_s"]) == (2, 2, 5.0)
     for req in [*running[0], *running[1], *waiting]:
         engine.abort(req.rid)
@@ -292,12 +294,13 @@ def test_requests_are_listed_running_first_by_their_client_id():
 
 
 def test_series_keep_the_window_and_break_where_the_rate_is_unknown():
-    history = [(t, {"generated_tokens": g, "cache_hit_rate": h, "pool_usage": 0.5})
+    history = [(t, {"generated_tokens": g, "cache_hit_rate": h, "kv_usage": 0.5, "pool_usage": 0.75})
                for t, g, h in [(0, 0, 0.0), (100, 50, 0.1), (101, 60, math.nan), (102, 5, 0.2), (104, 9, 0.2)]]
     s = series(history, window_s=4)
     assert s["t"] == [-4, -3, -2, 0]
     assert s["tokens_per_s"] == [0.5, 10.0, None, 2.0]  # the counter went back: the engine restarted
     assert s["hit_rate"] == [0.1, None, 0.2, 0.2]
+    assert s["kv_usage"] == [0.5] * 4  # the requests' KV, not the pool held with the cache
     assert series([], 60) == {"t": [], "hit_rate": [], "tokens_per_s": [], "kv_usage": []}
 
 
@@ -466,6 +469,7 @@ def check_page(dom, *, programs, hits):
         (path,) = svg.find_all("path", **{"class": "line"})
         assert int(svg.attrs["data-points"]) >= 2 and "L" in path.attrs["d"], chart
     assert number(dom.by_id("chart-tokens-value").text) > 0
+    assert all(dom.by_id(fig).text.endswith("%") for fig in ("fig-kv", "fig-pool"))
 
 
 @needs_chromium

@@ -186,7 +186,8 @@ def series(history: list[tuple[float, dict[str, Any]]], window_s: float) -> dict
     """The samples of the last `window_s` seconds as chart series: `t` (seconds before the latest
     sample, <= 0), `hit_rate` (the engine's cache hit rate since it started), `tokens_per_s`
     (generated tokens per second between a sample and the one before it; None for the first
-    sample and across a counter reset) and `kv_usage` (the share of the KV pool in use)."""
+    sample and across a counter reset) and `kv_usage` (the share of the KV pool that requests hold,
+    cached prefixes no request reads counted free: /metrics' kv_cache_usage_perc)."""
     if not history:
         return {"t": [], "hit_rate": [], "tokens_per_s": [], "kv_usage": []}
     end = history[-1][0]
@@ -196,7 +197,7 @@ def series(history: list[tuple[float, dict[str, Any]]], window_s: float) -> dict
         t, stats = history[i]
         out["t"].append(round(t - end, 3))
         out["hit_rate"].append(_number(stats.get("cache_hit_rate")))
-        out["kv_usage"].append(_number(stats.get("pool_usage")))
+        out["kv_usage"].append(_number(stats.get("kv_usage")))
         out["tokens_per_s"].append(rate(history[i - 1], history[i]) if i else None)
     return out
 
@@ -215,7 +216,7 @@ def latest(history: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
     if not history:
         return {}
     t, stats = history[-1]
-    keys = ("cache_hit_rate", "tokens_per_s", "pool_usage", "running", "queue", "grammar_queue")
+    keys = ("cache_hit_rate", "tokens_per_s", "kv_usage", "pool_usage", "running", "queue", "grammar_queue")
     out: dict[str, Any] = {key: _number(stats.get(key)) for key in keys}
     out["time"] = t
     out["recent_tokens_per_s"] = rate(history[-2], history[-1]) if len(history) > 1 else None
