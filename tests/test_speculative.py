@@ -97,8 +97,16 @@ def test_step_cost_fit_recovers_the_machine_s_costs():
         rows, drafts = int(rng.integers(1, 64)), int(rng.integers(0, 40))
         spec = min(drafts, int(rng.integers(0, 8)))
         cost.observe(rows, drafts, spec, 0.030 + 0.001 * rows + 0.002 * drafts + 0.0005 * spec)
-    assert cost.coef() == pytest.approx([0.030, 0.001, 0.002, 0.0005], abs=2e-4)
+    assert cost.coef() == pytest.approx([0.030, 0.001, 0.002, 0.0005, 0.0], abs=2e-4)
     assert cost.extra(1, 4, 1) == pytest.approx(0.0085, abs=5e-4)
+    # plain steps that a compiled graph runs, 8 ms faster: the fit learns the saving (the prior,
+    # none, pulls it in a little) and keeps the rest
+    for _ in range(300):
+        rows = int(rng.integers(1, 64))
+        cost.observe(rows, 0, 0, 0.030 + 0.001 * rows - 0.008, compiled=True)
+    assert -0.009 < cost.coef()[4] < -0.004
+    assert cost.predict(4, 0, 0, compiled=True) == pytest.approx(0.026, abs=1e-3)
+    assert cost.coef()[1] == pytest.approx(0.001, abs=1e-4)
 
 
 def spec_with_cost(a, b, c):
@@ -271,3 +279,21 @@ def test_unseeded_sampling_keeps_the_target_distribution(folder):  # noqa: F811
         table = np.hstack([common, rare]) if rare.sum() else common
         assert chi2_contingency(table).pvalue >= P_VALUE, (position, table)
     finish_clean(on_engine)
+
+
+def test_plain_steps_a_compiled_graph_ran_feed_the_cost_fit(folder):  # noqa: F811
+    # every plain decode step runs compiled (as under compile_decode="on", or once auto kept the
+    # graphs): the fit must still learn, or no verify step is ever weighed and drafts never come
+    engine = make(folder, speculative="ngram")
+    forward = engine.runner.forward
+
+    def as_if_compiled(fb):
+        logits = forward(fb)
+        engine.runner.ran_compiled = fb.num_tokens == fb.batch_size  # a plain decode forward
+        return logits
+    engine.runner.forward = as_if_compiled
+    before = engine.spec.counters.verified
+    for prompt in repetitive_prompts()[:4]:
+        engine.generate(prompt, GREEDY)
+    assert engine.spec.counters.verified > before         # drafts were weighed and verified
+    assert engine.spec.cost.xtx[4, 4] > 0                 # compiled steps were fitted, as such

@@ -222,8 +222,8 @@ class Engine:
         counters = self.scheduler.counters
         counters.steps += 1
         counters.busy_time += seconds
-        if self.spec is not None and not self.runner.ran_compiled and not stalled:  # (a fit of eager steps)
-            self.spec.observe(plan, seconds)
+        if self.spec is not None and not stalled:
+            self.spec.observe(plan, seconds, self.runner.ran_compiled)
         return touched
 
     def _compiling(self) -> bool:

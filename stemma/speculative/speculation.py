@@ -5,7 +5,8 @@ A draft length is chosen per step for the whole batch: draft tokens are added on
 best expected gain first, while they raise the expected tokens per second of the step. A draft
 token j of request r is accepted with probability alpha_r^(j+1), alpha_r the request's measured
 acceptance rate (blended with its drafter's, while the request has little history); a step's
-time comes from `StepCost`, fitted on this machine's own eager steps. When the batch is
+time comes from `StepCost`, fitted on this machine's own decode steps (those a compiled graph
+ran marked as such, so that the fit stays current while no verify step runs). When the batch is
 compute-bound, an extra row costs more than it is expected to return, and no request speculates;
 nor does it when a compiled decode graph makes the plain step cheaper than the verify step's
 expected gain (verify steps run eager). A verify step's time is the gap before each of its
@@ -246,11 +247,12 @@ class Speculation:
         return lengths
 
     # ---- booking ----
-    def observe(self, plan: StepPlan, seconds: float) -> None:
-        """A step's time, for the cost fit (decode-only steps: every row a decode or a draft)."""
+    def observe(self, plan: StepPlan, seconds: float, compiled: bool = False) -> None:
+        """A step's time, for the cost fit (decode-only steps: every row a decode or a draft);
+        `compiled`: a compiled decode graph ran it."""
         if plan.decodes and plan.decodes == len(plan.reqs):
             draft_rows = sum(plan.counts) - plan.decodes
-            self.cost.observe(plan.decodes, draft_rows, len(plan.drafts), seconds)
+            self.cost.observe(plan.decodes, draft_rows, len(plan.drafts), seconds, compiled)
 
     def book(self, req: Request, source: str, proposed: int, accepted: int) -> None:
         self.counters.proposed += proposed
