@@ -199,7 +199,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One step if there is work; returns the requests that got output or finished."""
         start = time.perf_counter()
-        compiling, trials = self._compiling(), self.runner.row_trials()
+        compiling, trials, compiles = self._compiling(), self.runner.row_trials(), self.runner.compiles_started()
         plan = self.scheduler.schedule()
         if not plan:
             return plan.finished
@@ -214,9 +214,11 @@ class Engine:
         touched = self.scheduler.postprocess(plan, out)
         seconds = time.perf_counter() - start
         # a step a background compile slowed down (Dynamo's tracing holds the GIL, 10x for
-        # seconds), or one that held the row ops' one-off trial (executor.compiled_rows), is no
-        # sample of what steps cost: neither fit learns from it
-        stalled = compiling or self._compiling() or self.runner.row_trials() != trials
+        # seconds), one that compiled a graph itself (compile_decode=on), or one that held the
+        # row ops' one-off trial (executor.compiled_rows), is no sample of what steps cost:
+        # neither fit learns from it
+        stalled = (compiling or self._compiling() or self.runner.row_trials() != trials
+                   or self.runner.compiles_started() != compiles)
         if not stalled:
             self.step_cost.observe(shape, seconds, predicted)
         counters = self.scheduler.counters

@@ -185,6 +185,7 @@ class CompiledDecode:
         self.trials: dict[int, Trial] = {}
         self.verdicts: dict[int, bool] = {}   # bucket -> whether its graph is kept (its trial over)
         self.compile_s: float | None = None   # all compiles so far, summed
+        self.compiles_started = 0  # a step in which this changed held a compile (`on`: compiled in the step)
         self.calls = 0             # forwards the graphs served
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()          # queue and thread
@@ -246,6 +247,7 @@ class CompiledDecode:
     @compile_job()
     def _compile(self, bucket: int) -> None:
         """Compiles `bucket`'s graph with a dummy forward of the fewest rows it holds."""
+        self.compiles_started += 1
         self.compiles[bucket] = "compiling"
         rows = 1 if bucket == ONE else self.bucket_rows(bucket)[0]
         # built outside inference mode, as the runner builds its batches: the graph's guards check

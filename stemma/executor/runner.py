@@ -91,6 +91,12 @@ class ModelRunner:
                 self.compiled.rows.fail(exc)
                 return logits
 
+    def compiles_started(self) -> int:
+        """How many decode graphs have begun compiling (`executor.compiled_decode`): a step in
+        which one did (compile_decode=on compiles a bucket in the step that first meets it) is
+        no sample of what a step costs."""
+        return self.compiled.compiles_started if self.compiled is not None else 0
+
     def row_trials(self) -> int:
         """How many times the row ops' one-off trial has run (`executor.compiled_rows`): a forward
         that held it is no sample of what a forward costs."""
