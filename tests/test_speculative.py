@@ -302,3 +302,4 @@ def test_plain_steps_a_compiled_graph_ran_feed_the_cost_fit(folder):  # noqa: F8
         engine.generate(prompt, GREEDY)
     assert engine.spec.counters.verified > before         # drafts were weighed and verified
     assert engine.spec.cost.xtx[4, 4] > 0                 # compiled steps were fitted, as such
+    finish_clean(engine)
