@@ -182,10 +182,10 @@ def test_steps_slowed_by_a_background_compile_stay_out_of_the_cost_fit(folder): 
     assert engine.spec.cost.steps == 0 and len(engine.step_cost.samples) == fitted
     engine._compiling = lambda: False
     started = iter(range(10**6))   # a graph compiled inside each step (compile_decode=on)
-    engine.runner.compiles_started = lambda: next(started)
+    engine.runner.one_offs = lambda: next(started)
     engine.generate(repetitive_prompts()[1], GREEDY)
     assert engine.spec.cost.steps == 0 and len(engine.step_cost.samples) == fitted
-    del engine.runner.compiles_started
+    del engine.runner.one_offs
     engine.generate(repetitive_prompts()[2], GREEDY)
     assert engine.spec.cost.steps > 0 and len(engine.step_cost.samples) > fitted
     finish_clean(engine)

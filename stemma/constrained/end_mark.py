@@ -88,7 +88,8 @@ def marks_cleanly(regex: str) -> bool:
     for state, nexts in ahead.items():
         for nxt in nexts:
             behind.setdefault(nxt, set()).add(state)
-    ends = [state for state in ahead if EndIndex(index, _BYTE_END).accepting(state)]
+    end = EndIndex(index, _BYTE_END)
+    ends = [state for state in ahead if end.accepting(state)]
     return set(ahead) <= _reached(ends, behind)
 
 

@@ -199,7 +199,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One step if there is work; returns the requests that got output or finished."""
         start = time.perf_counter()
-        compiling, trials, compiles = self._compiling(), self.runner.row_trials(), self.runner.compiles_started()
+        compiling, one_offs = self._compiling(), self.runner.one_offs()
         plan = self.scheduler.schedule()
         if not plan:
             return plan.finished
@@ -217,8 +217,7 @@ class Engine:
         # seconds), one that compiled a graph itself (compile_decode=on), or one that held the
         # row ops' one-off trial (executor.compiled_rows), is no sample of what steps cost:
         # neither fit learns from it
-        stalled = (compiling or self._compiling() or self.runner.row_trials() != trials
-                   or self.runner.compiles_started() != compiles)
+        stalled = compiling or self._compiling() or self.runner.one_offs() != one_offs
         if not stalled:
             self.step_cost.observe(shape, seconds, predicted)
         counters = self.scheduler.counters

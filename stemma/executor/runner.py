@@ -91,11 +91,11 @@ class ModelRunner:
                 self.compiled.rows.fail(exc)
                 return logits
 
-    def compiles_started(self) -> int:
-        """How many decode graphs have begun compiling (`executor.compiled_decode`): a step in
-        which one did (compile_decode=on compiles a bucket in the step that first meets it) is
-        no sample of what a step costs."""
-        return self.compiled.compiles_started if self.compiled is not None else 0
+    def one_offs(self) -> int:
+        """How many one-off jobs forwards have held: the row ops' trials and the decode graphs'
+        compiles begun (compile_decode=on compiles a bucket in the step that first meets it). A
+        step in which this changed is no sample of what a step costs."""
+        return self.row_trials() + (self.compiled.compiles_started if self.compiled is not None else 0)
 
     def row_trials(self) -> int:
         """How many times the row ops' one-off trial has run (`executor.compiled_rows`): a forward
