@@ -173,6 +173,27 @@ def test_a_verify_step_is_bounded_in_one_row_steps():
     assert sum(spec.choose(16, [(0.9, 8)] * 16)) == 0
 
 
+def test_deep_drafts_for_a_few_requests_come_before_a_costly_first_draft_for_each():
+    # the fit of a 4-stream round on the default model: each speculating request adds 4.7 ms,
+    # each draft row 0.3 ms; the compiled plain step saves 8 ms; verify steps bounded at 1.5x
+    spec = Speculation.__new__(Speculation)
+    spec.cost = StepCost()
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        rows, drafts = int(rng.integers(1, 8)), int(rng.integers(0, 24))
+        speculating = min(drafts, int(rng.integers(1, rows + 1)))
+        spec.cost.observe(rows, drafts, speculating, 0.0361 + 0.0003 * drafts + 0.0047 * speculating)
+    spec.compiled_saving = lambda decodes: 0.008
+    spec.max_verify_steps = 1.5
+    # one first draft each would give 6.97 tokens in 48.7 ms (the fourth is past the bound),
+    # below the plain step's 4 in 28 ms; eight drafts for each of two give 19.3 tokens in 50 ms
+    lengths = spec.choose(4, [(0.99, 8)] * 4)
+    assert sorted(lengths) == [0, 0, 8, 8]
+    # with no cost per speculating request the order is by gain: a first draft each, then seconds
+    cheap = spec_with_cost(0.030, 0.001, 0.001)
+    assert cheap.choose(4, [(0.9, 8), (0.85, 8)], max_rows=2) == [1, 1]
+
+
 # ---------------------------------------------------------------- the engine
 def test_steps_slowed_by_a_background_compile_stay_out_of_the_cost_fit(folder):  # noqa: F811
     engine = make(folder, speculative="ngram")

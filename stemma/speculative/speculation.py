@@ -2,7 +2,8 @@
 draft length per request, and the booking of what was accepted.
 
 A draft length is chosen per step for the whole batch: draft tokens are added one at a time,
-best expected gain first, while they raise the expected tokens per second of the step. A draft
+best expected gain per predicted second first (a request's first draft also costs what one more
+speculating request adds), while they raise the expected tokens per second of the step. A draft
 token j of request r is accepted with probability alpha_r^(j+1), alpha_r the request's measured
 acceptance rate (blended with its drafter's, while the request has little history); a step's
 time comes from `StepCost`, fitted on this machine's own decode steps (those a compiled graph
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 PRIOR_WEIGHT = 2.0      # a request's own history counts this many drafts' worth of its drafter's
 SOURCE_DECAY = 0.99     # per verified draft: a drafter's rate follows its recent record
+MIN_DRAFT_COST = 1e-9   # seconds: a draft the fit takes as free (or cheaper) is ranked by gain alone
 
 
 @dataclass
@@ -210,8 +212,10 @@ class Speculation:
     def choose(self, decodes: int, cands: list[tuple[float, int]], max_rows: int | None = None,
                decode_only: bool = True) -> list[int]:
         """Draft lengths for candidates (alpha, most drafts) in a step of `decodes` decodes, at
-        most `max_rows` in all. Drafts are taken best expected gain first; of every number of
-        them so taken, the one with the most expected tokens per second wins (none: the plain
+        most `max_rows` in all. Drafts are taken best expected gain per predicted second first (a
+        request's first draft also costs what one more speculating request adds, so deep drafts
+        for a few requests can come before the first of each); of every number of them so taken,
+        the one with the most expected tokens per second wins (none: the plain
         step, which a compiled decode graph may make cheaper than any step that verifies, when
         the step is `decode_only`; a mixed step's graph is never asked, so that no prefill queues
         a compile for a batch size no decode forward has). No step is predicted past
@@ -223,16 +227,22 @@ class Speculation:
         if self.compiled_saving is not None and decode_only:
             plain = max(plain - self.compiled_saving(decodes), 1e-6)
         longest = self.max_verify_steps * self.cost.predict(1, 0, 0)
+        row = self.cost.predict(decodes, 1, 0) - self.cost.predict(decodes, 0, 0)
+        request = self.cost.predict(decodes, 1, 1) - self.cost.predict(decodes, 1, 0)
+
+        def entry(gain: float, j: int, first: bool) -> tuple[float, float, int]:
+            return -gain / max(row + request * first, MIN_DRAFT_COST), -gain, j
+
         tokens, rows, speculating = float(decodes), 0, 0
         best_rate, best_rows, taken = tokens / plain, 0, []
-        heap = [(-alpha, j) for j, (alpha, _) in enumerate(cands)]
+        heap = [entry(alpha, j, True) for j, (alpha, _) in enumerate(cands)]
         heapq.heapify(heap)
         while heap and (max_rows is None or rows < max_rows):
-            neg_gain, j = heapq.heappop(heap)
+            _, neg_gain, j = heapq.heappop(heap)
             more = speculating + (lengths[j] == 0)
             time = self.cost.predict(decodes, rows + 1, more)
             if time <= 0 or time > longest:
-                break  # drafts are taken in order of gain: the choice ends at the first past the bound
+                break  # drafts are taken best first: the choice ends at the first past the bound
             tokens, rows, speculating = tokens - neg_gain, rows + 1, more
             lengths[j] += 1
             taken.append(j)
@@ -240,7 +250,7 @@ class Speculation:
                 best_rate, best_rows = tokens / time, rows
             alpha, most = cands[j]
             if lengths[j] < most:
-                heapq.heappush(heap, (-alpha ** (lengths[j] + 1), j))
+                heapq.heappush(heap, entry(alpha ** (lengths[j] + 1), j, False))
         lengths = [0] * len(cands)
         for j in taken[:best_rows]:
             lengths[j] += 1
