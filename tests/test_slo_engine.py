@@ -7,6 +7,7 @@ import pytest
 
 import stemma
 from stemma import SamplingParams
+from stemma.engine import warmup
 from tests.bytelevel_tokenizer import build_tiny_bytelevel
 
 
@@ -125,6 +126,26 @@ def test_warm_up_seeds_the_one_row_step_and_writes_no_request_kv(folder):
     assert engine.stats()["pool_free"] == engine.stats()["pool_total"]
     out = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4))
     assert out.meta["slo"]["itl_target_ms"] == pytest.approx(2e3 * slo.one_row_s, abs=0.01)
+
+
+def test_warm_up_takes_no_sample_from_a_forward_that_held_a_one_off_job(folder):
+    """A forward that ran a row-ops trial or compiled a decode graph (compile_decode=on compiles in
+    the step that first meets a bucket) took seconds that no later step will: it seeds no cost."""
+    engine = make(folder)
+    runner, compiles = engine.runner, []
+    forward = runner.forward
+
+    def compiling_first(fb):  # the first one-row forward compiles, as under compile_decode=on
+        if not compiles:
+            compiles.append(fb)
+        return forward(fb)
+    runner.forward = compiling_first
+    runner.one_offs = lambda: len(compiles)
+    seen = []
+    cost = type("Cost", (), {"observe": lambda self, shape, seconds: seen.append(shape)})()
+    warmup.warm_up(runner, cost)
+    assert len(seen) == len(warmup.SHAPES) - 1
+    engine.check_pool_whole()
 
 
 def test_a_latency_target_caps_what_speculation_verifies_in_a_step(folder):

@@ -38,11 +38,11 @@ def warm_up(runner: ModelRunner, cost: StepCost) -> float:
     one_row = []
     for rows, context, prefill in SHAPES:
         fb, shape = dummy_batch(rows, context, prefill, runner.max_context)
-        trials = runner.row_trials()
+        one_offs = runner.one_offs()
         t0 = time.perf_counter()
         runner.forward(fb).argmax(dim=-1)
         seconds = time.perf_counter() - t0
-        if runner.row_trials() != trials:  # it held the row ops' one-off trial: no sample
+        if runner.one_offs() != one_offs:  # it held a row-ops trial or a graph compile: no sample
             continue
         cost.observe(shape, seconds)
         if (rows, prefill) == (1, 0):

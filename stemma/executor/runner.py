@@ -95,12 +95,9 @@ class ModelRunner:
         """How many one-off jobs forwards have held: the row ops' trials and the decode graphs'
         compiles begun (compile_decode=on compiles a bucket in the step that first meets it). A
         step in which this changed is no sample of what a step costs."""
-        return self.row_trials() + (self.compiled.compiles_started if self.compiled is not None else 0)
-
-    def row_trials(self) -> int:
-        """How many times the row ops' one-off trial has run (`executor.compiled_rows`): a forward
-        that held it is no sample of what a forward costs."""
-        return self.compiled.rows.trials_run if self.compiled is not None else 0
+        if self.compiled is None:
+            return 0
+        return self.compiled.rows.trials_run + self.compiled.compiles_started
 
     def prepare(self, token_lists, req_rows, prefix_lens, logit_starts=None) -> ForwardBatch:
         """Allocates slots for the new tokens, records them in the rows, and builds the batch."""
