@@ -75,6 +75,7 @@ MAX_CALLS = 12
 CALL_EXPONENT = 1.3
 PAUSE_S = (0.05, 0.5)
 SAMPLE_S = 0.05
+STEP_COST_KEYS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_1k_keys_ms")
 
 WORDS = """the a an of to and in on for with from by at as is are was were be been it this that
 these those each every some any all more most less few many other same new old first last next
@@ -243,7 +244,8 @@ async def drive(backend: EngineBackend, work: Workload, gen_tokens: int) -> dict
             "p50_s": percentile(latency, 50), "p95_s": percentile(latency, 95),
             "hit_rate": cached / prompt if prompt else 0.0, "prompt": prompt, "cached": cached,
             "retractions": stats1["retractions"] - stats0["retractions"],
-            "working_set": peak, "largest_call": largest[0]}
+            "working_set": peak, "largest_call": largest[0],
+            "step_cost": " ".join(f"{stats1['step_cost'].get(k, float('nan')):.4g}" for k in STEP_COST_KEYS)}
 
 
 def run(name: str, pool: int, work: Workload, args) -> dict:
@@ -261,7 +263,8 @@ def run(name: str, pool: int, work: Workload, args) -> dict:
     out["foreign_cores"] = audit.foreign_cores
     print(f"{name}, pool {pool}: {out['wall_s']:.1f} s, {out['tok_s']:.1f} tok/s, p50 {out['p50_s']:.2f} s, "
           f"p95 {out['p95_s']:.2f} s, hit rate {100 * out['hit_rate']:.1f}%, peak live KV {out['working_set']}, "
-          f"other processes' load {out['foreign_cores']:.2f} cores",
+          f"other processes' load {out['foreign_cores']:.2f} cores; the engine's step-cost fit (ms: base, per "
+          f"decode row, per prefill token, per 1k keys; agents_bound.py --step-cost takes them) {out['step_cost']}",
           file=sys.stderr, flush=True)
     del backend
     gc.collect()
