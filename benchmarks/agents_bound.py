@@ -41,24 +41,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agents import Workload, measure_tokens, workload  # noqa: E402
+from agents import STEP_COST_KEYS, Workload, measure_tokens, workload  # noqa: E402
 from common import percentile, table  # noqa: E402
 
-STARVE_S = 15.0   # program_starvation_s, the engine's default
+from stemma.engine.step_cost import StepShape  # noqa: E402
+from stemma.engine_config import EngineConfig  # noqa: E402
+
+STARVE_S = EngineConfig().program_starvation_s   # the engine's default
 OBS_FRAME = 5     # tokens of "\nObservation: " ... "\nThought:" around an observation
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Seconds of a step, as the engine's StepCost fits it."""
-    base: float
-    row: float
-    prefill: float
-    keys: float
-
-    def step(self, rows: int, prefill: int, keys: float) -> float:
-        return self.base + self.row * rows + self.prefill * prefill + self.keys * keys / 1000.0
 
 
 @dataclass
@@ -102,9 +95,10 @@ def order_key(policy: str, now: float):
     return key
 
 
-def replay(progs: list[Prog], policy: str, cost: Cost, rows: int, gen: int) -> dict:
-    """One run of the batch model: p50/p95 completion, throughput, mean waiting calls, and each
-    program's completion time."""
+def replay(progs: list[Prog], policy: str, coef: np.ndarray, rows: int, gen: int) -> dict:
+    """One run of the batch model (a step takes `coef` @ its StepShape's features, in seconds, as
+    the engine's StepCost predicts it): p50/p95 completion, throughput, mean waiting calls, and
+    each program's completion time."""
     arrivals = [(p.arrival, p.pid) for p in progs]
     heapq.heapify(arrivals)
     by = {p.pid: p for p in progs}
@@ -121,8 +115,9 @@ def replay(progs: list[Prog], policy: str, cost: Cost, rows: int, gen: int) -> d
             ready, pid = heapq.heappop(arrivals)
             waiting.append((by[pid], ready))   # a call waits from when it is ready
         waiting.sort(key=order_key(policy, now))
-        decodes = len(running)
-        prefill, keys = 0, float(sum(by[pid].context for pid in running))
+        shape = StepShape()
+        for pid in running:
+            shape.decode(by[pid].context)
         while waiting and len(running) < rows:
             prog, _ = waiting.pop(0)
             n = prog.new_tokens[prog.done_calls]
@@ -130,14 +125,13 @@ def replay(progs: list[Prog], policy: str, cost: Cost, rows: int, gen: int) -> d
                 seen_systems.add(prog.system)
                 n += prog.system_tokens
             prefix = prog.context if prog.done_calls else prog.system_tokens
-            prefill += n
-            keys += n * (prefix + n / 2.0)
+            shape.prefill(n, prefix)
             prog.attained += n
             prog.context = prefix + n
             running[prog.pid] = gen
         if not running:
             continue
-        dt = cost.step(decodes, prefill, keys)
+        dt = float(shape.features() @ coef)
         wait_area += len(waiting) * dt
         now += dt
         for pid in list(running):
@@ -160,9 +154,9 @@ def replay(progs: list[Prog], policy: str, cost: Cost, rows: int, gen: int) -> d
             "waiting": wait_area / now, "completion": done}
 
 
-def measure_cost(model: str | None, max_running: int, gen: int) -> tuple[Cost, object]:
-    """The engine's own step-cost fit after decoding batches of 1 to max_running rows (agents.py's
-    engine settings); returns it and the engine's tokenizer."""
+def measure_cost(model: str | None, max_running: int, gen: int) -> tuple[np.ndarray, object]:
+    """The engine's own step-cost fit (seconds, StepShape's feature order) after decoding batches
+    of 1 to max_running rows (agents.py's engine settings); returns it and the engine's tokenizer."""
     import stemma
     from stemma import SamplingParams
     options = {"compile_decode": "off", "max_running_requests": max_running}
@@ -173,9 +167,7 @@ def measure_cost(model: str | None, max_running: int, gen: int) -> tuple[Cost, o
             prompts = [f"Item {rnd}-{rows}-{i}: the report lists the open tasks of the week and" for i in range(rows)]
             engine.generate(prompts, params)
     fit = engine.stats()["step_cost"]
-    cost = Cost(fit["base_ms"] / 1e3, fit["per_decode_row_ms"] / 1e3, fit["per_prefill_token_ms"] / 1e3,
-                fit["per_1k_keys_ms"] / 1e3)
-    return cost, engine.tokenizer
+    return np.array([fit[k] for k in STEP_COST_KEYS]) / 1e3, engine.tokenizer
 
 
 def main() -> None:
@@ -195,20 +187,20 @@ def main() -> None:
     if args.step_cost:
         from stemma.loader.gguf.loader import default_model_path
         from stemma.text.tokenizer import load_tokenizer
-        cost = Cost(*(x / 1e3 for x in args.step_cost))
+        cost = np.array(args.step_cost) / 1e3
         tokenizer = load_tokenizer(args.model or default_model_path())
         if tokenizer is None:
             raise SystemExit(f"{args.model} has no tokenizer files")
     else:
         cost, tokenizer = measure_cost(args.model, max(args.max_running), args.gen_tokens)
     codec = HFCodec(tokenizer)
-    print(f"step cost (ms): base {1e3 * cost.base:.2f}, per decode row {1e3 * cost.row:.3f}, per prefill "
-          f"token {1e3 * cost.prefill:.4f}, per 1k keys {1e3 * cost.keys:.4f}", flush=True)
+    print("step cost (ms): " + ", ".join(f"{key} {1e3 * x:.4g}" for key, x in zip(STEP_COST_KEYS, cost)),
+          flush=True)
 
     built: dict[tuple[int, float], tuple[Workload, list[list[int]]]] = {}
 
     def fresh(seed: int, window: float) -> list[Prog]:
-        """The workload of `seed` arriving over `window` (tokenized once), as new records."""
+        """The workload of `seed` arriving over `window` (tokenized once for each), as new records."""
         if (seed, window) not in built:
             work = workload(argparse.Namespace(seed=seed, arrival_s=window, programs=args.programs))
             measure_tokens(work, codec)

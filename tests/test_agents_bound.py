@@ -1,11 +1,12 @@
 """benchmarks/agents_bound.py's batch model: a lone program's completion is its steps and pauses,
 and each queue order admits what it says first."""
+import numpy as np
 import pytest
 
 from tests.test_latency_options import _benchmark
 
 bound = _benchmark("agents_bound")
-STEP = bound.Cost(base=0.01, row=0.0, prefill=0.0, keys=0.0)   # every step 10 ms
+STEP = np.array([0.01, 0.0, 0.0, 0.0])   # every step 10 ms (base, per row, per prefill token, per 1k keys)
 
 
 def prog(pid, arrival, calls, pause=0.0):
@@ -19,7 +20,7 @@ def test_a_lone_program_takes_its_steps_and_its_pauses():
 
 
 def test_a_step_costs_its_rows_prefill_and_keys():
-    cost = bound.Cost(base=0.01, row=0.002, prefill=0.001, keys=0.0)
+    cost = np.array([0.01, 0.002, 0.001, 0.0])
     # first step: nothing decodes yet, 5 + 20 prefill tokens (the system prompt once); then 2 decodes
     out = bound.replay([prog(0, 0.0, 1)], "fcfs", cost, rows=4, gen=3)
     assert out["p50"] == pytest.approx((0.01 + 0.025) + 2 * (0.01 + 0.002))

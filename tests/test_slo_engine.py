@@ -2,6 +2,7 @@
 test tokenizer, float32): the preempted requests, constrained, speculative and n > 1 among them,
 give exactly the outputs they give without preemption; the pool is whole; targets are scored."""
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -142,7 +143,7 @@ def test_warm_up_takes_no_sample_from_a_forward_that_held_a_one_off_job(folder):
     runner.forward = compiling_first
     runner.one_offs = lambda: len(compiles)
     seen = []
-    cost = type("Cost", (), {"observe": lambda self, shape, seconds: seen.append(shape)})()
+    cost = SimpleNamespace(observe=lambda shape, seconds: seen.append(shape))
     warmup.warm_up(runner, cost)
     assert len(seen) == len(warmup.SHAPES) - 1
     engine.check_pool_whole()
