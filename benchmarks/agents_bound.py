@@ -117,7 +117,7 @@ def replay(progs: list[Prog], policy: str, coef: np.ndarray, rows: int, gen: int
         waiting.sort(key=order_key(policy, now))
         shape = StepShape()
         for pid in running:
-            shape.decode(by[pid].context)
+            shape.decode(by[pid].context + 1)   # its token this step reads itself too, as StepShape.of books it
         while waiting and len(running) < rows:
             prog, _ = waiting.pop(0)
             n = prog.new_tokens[prog.done_calls]
