@@ -23,6 +23,7 @@ import zmq
 import stemma
 from stemma import protocol as P
 from stemma.sampling_params import SamplingParams
+from stemma.serve import replica as replica_module
 from stemma.serve.gateway import CLIENT_HWM, Gateway, GatewaySpec
 from stemma.serve.supervisor import Budget, Supervision, exit_cause
 from tests.served import HttpServed, alive, children, cmdline
@@ -409,6 +410,122 @@ def test_a_peer_whose_queue_fills_is_cut_off_and_told_once_it_reads(gateway):
         assert engine_takes(gateway, P.Health).rid != "h2"  # forwarded under its engine id
     finally:
         peer.close()
+
+
+@pytest.fixture
+def small_queues(monkeypatch):
+    """The gateway's queues towards the engine hold 8 frames (request it before `gateway`)."""
+    monkeypatch.setattr(replica_module, "INTERNAL_HWM", 8)
+
+
+def fill_engine_queue(gw: Gateway) -> int:
+    """Sends health probes until the engine's queue has refused them for 0.3 s (ZeroMQ's I/O
+    thread moves frames on for a moment after the first refusal); how many it took."""
+    sent, refused_since = 0, None
+    while True:
+        if gw.replicas[0].send(P.Health(rid=f"fill{sent}")):
+            sent, refused_since = sent + 1, None
+            assert sent < 1_000_000, "the queue never filled"
+        elif refused_since is None:
+            refused_since = time.monotonic()
+        elif time.monotonic() - refused_since > 0.3:
+            return sent
+        else:
+            time.sleep(0.005)
+
+
+def sent_within(attempt, timeout: float = 5.0) -> bool:
+    """`attempt()` retried until it is True (the queue has room a moment after the engine read)."""
+    deadline = time.monotonic() + timeout
+    while not attempt():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def read_fill(gw: Gateway, sent: int) -> None:
+    for _ in range(sent):
+        engine_takes(gw, P.Health)
+
+
+def test_an_abort_that_the_full_engine_queue_refused_reaches_it_once_there_is_room(
+        small_queues, gateway):
+    """Before, the client got `overloaded` for its abort and the engine ran the request on."""
+    peer = gateway.ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(gateway.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        peer.send_multipart([b"", P.encode(P.GenerateReq(rid="a", input_ids=[5, 6], stream=True,
+                                                         params=SamplingParams(**LONG)))])
+        assert gateway.router.poll(5000)
+        gateway._drain(gateway.router, gateway.on_client_guarded)
+        gid = engine_takes(gateway, P.GenerateReq).rid
+        sent = fill_engine_queue(gateway)
+        peer.send_multipart([b"", P.encode(P.Abort(rid="a"))])
+        peer.send_multipart([b"", P.encode(P.GenerateReq(rid="b", input_ids=[5, 7],
+                                                         params=SamplingParams(**LONG)))])
+        deadline = time.monotonic() + 5
+        while not peer.poll(0):  # the reply to "b" comes after the abort was handled
+            assert time.monotonic() < deadline, "no reply"
+            if gateway.router.poll(50):
+                gateway._drain(gateway.router, gateway.on_client_guarded)
+        reply = P.decode(peer.recv_multipart()[-1])
+        # the new request is refused while the abort waits; the abort itself gets no reply
+        assert isinstance(reply, P.ErrorMsg) and reply.rid == "b" and reply.code == P.OVERLOADED
+        assert list(gateway.replicas[0].backlog) == [(P.Abort.TAG, gid)]
+        assert not peer.poll(200)
+        assert not gateway.replicas[0].flush()  # still full: nothing read yet
+        read_fill(gateway, sent)
+        assert sent_within(gateway.replicas[0].flush)  # what the gateway's loop does each turn
+        assert engine_takes(gateway, P.Abort).rid == gid
+        assert not gateway.engine_sock.poll(100)  # once
+    finally:
+        peer.close()
+
+
+def test_the_abort_of_a_vanished_client_waits_for_room_in_the_full_engine_queue(
+        small_queues, gateway):
+    peer = gateway.ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(gateway.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+    peer.send_multipart([b"", P.encode(P.GenerateReq(rid="a", input_ids=[5, 6], stream=True,
+                                                     params=SamplingParams(**LONG)))])
+    assert gateway.router.poll(5000)
+    gateway._drain(gateway.router, gateway.on_client_guarded)
+    gid = engine_takes(gateway, P.GenerateReq).rid
+    sent = fill_engine_queue(gateway)
+    peer.close()
+    deadline = time.monotonic() + 10
+    while len(gateway.routes):
+        assert time.monotonic() < deadline, "the client's going was never noticed"
+        gateway.peers.monitor.poll(50)
+        gateway.reap()
+    assert list(gateway.replicas[0].backlog) == [(P.Abort.TAG, gid)]
+    read_fill(gateway, sent)
+    assert sent_within(gateway.replicas[0].flush)
+    assert engine_takes(gateway, P.Abort).rid == gid
+
+
+def test_a_dead_engine_s_backlog_is_not_sent_to_its_successor(small_queues, gateway):
+    replica = gateway.replicas[0]
+    sent = fill_engine_queue(gateway)
+    replica.send_control(P.Abort(rid="g1"))
+    replica.send_control(P.Abort(rid="g1"))  # one per request
+    replica.send_control(P.EndProgram(rid="e", program_id="p1"))
+    assert list(replica.backlog) == [(P.Abort.TAG, "g1"), (P.EndProgram.TAG, "p1")]
+    read_fill(gateway, sent)
+    assert sent_within(lambda: replica.send(P.Health(rid="h")))  # the backlog goes first
+    assert engine_takes(gateway, P.Abort).rid == "g1"
+    assert engine_takes(gateway, P.EndProgram).program_id == "p1"
+    assert engine_takes(gateway, P.Health).rid == "h"
+    sent = fill_engine_queue(gateway)
+    replica.send_control(P.Abort(rid="g2"))
+    assert replica.backlog
+    replica.sup.cause = "killed for the test"
+    replica.sup.may_restart = lambda last: (False, "no restart in this test")
+    gateway._replica_died(replica)
+    assert not replica.backlog
 
 
 class FailingTokenizer:

@@ -256,6 +256,8 @@ class Gateway:
             if not self.supervise():  # after the drain: a frame just read is a sign of life
                 self._flush_bridge()
                 return EXIT_ENGINE_DEAD
+            for replica in self.replicas:
+                replica.flush()  # the aborts a full queue refused go before any new request
             if self.router in events:
                 self._drain(self.router, self.on_client_guarded)
             self.send_tokenized()
@@ -342,6 +344,7 @@ class Gateway:
             why = f"{replica.name}: {why}"
         logger.error("%s", why)
         replica.serving = False
+        replica.backlog.clear()
         self.replica_router.reset(replica.index)
         if not self.serving:
             self.unavailable = why
@@ -540,12 +543,12 @@ class Gateway:
             gid = self.routes.find(peer, msg.rid)
             replica = self.routes.get(gid).replica if gid is not None else -1
             if replica >= 0:  # a spread request (stats, flush) has nothing to abort
-                self.to_engine(replica, peer, msg.rid, P.Abort(rid=gid))
+                self.replicas[replica].send_control(P.Abort(rid=gid))
         elif isinstance(msg, P.EndProgram):  # no reply, not even "overloaded": a hint only
             index = self.replica_router.end_program(msg.program_id)
             for replica in self.replicas:
                 if replica.serving and index in (None, replica.index):
-                    replica.send(msg)
+                    replica.send_control(msg)
         elif isinstance(msg, P.Health):  # to every replica: the first that answers speaks for the
             self.forward(peer, msg, self._spread(peer, msg))  # server (one stalled must not fail it)
         elif isinstance(msg, P.FlushCache) and len(self.replicas) > 1 and any(
@@ -648,7 +651,7 @@ class Gateway:
                          [pending.rid for _, pending in dropped])
         for gid, pending in dropped:
             if pending.kind == P.GenerateReq.TAG and self.replicas[pending.replica].serving:
-                self.to_engine(pending.replica, peer, pending.rid, P.Abort(rid=gid))
+                self.replicas[pending.replica].send_control(P.Abort(rid=gid))
         return dropped
 
     # ---- from the engine ----
@@ -732,7 +735,7 @@ class Gateway:
         if self.routes.get(gid) is pending:
             self.routes.pop(gid)
         if pending.kind == P.GenerateReq.TAG:
-            self.to_engine(pending.replica, pending.peer, pending.rid, P.Abort(rid=gid))
+            self.replicas[pending.replica].send_control(P.Abort(rid=gid))
         self.error(pending.peer, pending.rid, P.INTERNAL,
                    f"the server could not turn the engine's output into text "
                    f"({type(exc).__name__}: {exc}); the request was aborted")

@@ -8,12 +8,14 @@ each) and, behind the cache-aware router, sends its radix tree's changes (CacheE
 
 Invariants: `serving` is True exactly while a ready engine is attached; `retired` once it died
 with no restart left (routing skips it for good); `fd` is the pidfd registered in the gateway's
-poller, if any.
+poller, if any. `backlog` holds the aborts and program ends its full queue refused, in the order
+they came, at most one per request or program; it is sent before anything else once the queue
+has room, and emptied when the engine dies (a new one never knew those requests).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import zmq
 
@@ -21,6 +23,8 @@ from stemma import protocol as P
 from stemma.serve.supervisor import Supervision, Supervisor
 
 INTERNAL_HWM = 100_000    # frames queued towards an engine before clients are told to back off
+
+Control = Union[P.Abort, P.EndProgram]  # what no client may be refused: the engine must hear it
 
 
 def bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
@@ -65,18 +69,39 @@ class Replica:
         self.retired = False
         self.pid: int | None = None   # the engine that said it was ready
         self.fd: int | None = None
+        self.backlog: dict[tuple[str, str], bytes] = {}
 
     @property
     def name(self) -> str:
         return f"replica {self.index}"
 
     def send(self, msg: P.Message) -> bool:
-        """False when its queue is full."""
+        """False when its queue is full (or holds a backlog, which goes first)."""
+        if self.backlog and not self.flush():
+            return False
         try:
             self.push.send(P.encode(msg), zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
+
+    def send_control(self, msg: Control) -> None:
+        """Sends `msg` now, or as soon as the queue has room (`flush`): an abort that a full
+        queue dropped would leave the engine running a request that nobody waits for."""
+        key = (msg.TAG, msg.program_id if isinstance(msg, P.EndProgram) else msg.rid)
+        if key in self.backlog or not self.send(msg):
+            self.backlog.setdefault(key, P.encode(msg))
+
+    def flush(self) -> bool:
+        """Sends the backlog as far as the queue takes it; True once it is empty."""
+        while self.backlog:
+            key = next(iter(self.backlog))
+            try:
+                self.push.send(self.backlog[key], zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            del self.backlog[key]
+        return True
 
     def close(self) -> None:
         self.sup.stop()
