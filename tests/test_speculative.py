@@ -194,6 +194,24 @@ def test_deep_drafts_for_a_few_requests_come_before_a_costly_first_draft_for_eac
     assert cheap.choose(4, [(0.9, 8), (0.85, 8)], max_rows=2) == [1, 1]
 
 
+def test_a_first_draft_past_the_bound_is_passed_over_for_a_deeper_one_that_fits():
+    # a speculating request costs what a draft row costs (2 ms each); the plain step 30 ms, the
+    # bound 41 ms. Best first: 0.7's first (34 ms), its second (0.49, 36 ms) and third (0.343,
+    # 38 ms), then 0.65's first, which would need 42 ms; 0.7's fourth (0.24) fits at 40 ms
+    spec = Speculation.__new__(Speculation)
+    spec.cost = StepCost()
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        rows, drafts = int(rng.integers(1, 16)), int(rng.integers(0, 24))
+        speculating = min(drafts, int(rng.integers(1, rows + 1)))
+        spec.cost.observe(rows, drafts, speculating, 0.030 + 0.002 * drafts + 0.002 * speculating)
+    spec.compiled_saving = None
+    spec.max_verify_steps = 0.041 / 0.030
+    assert spec.choose(2, [(0.7, 8), (0.65, 8)]) == [4, 0]
+    spec.max_verify_steps = math.inf  # unbounded: both speculate
+    assert all(spec.choose(2, [(0.7, 8), (0.65, 8)]))
+
+
 # ---------------------------------------------------------------- the engine
 def test_steps_slowed_by_a_background_compile_stay_out_of_the_cost_fit(folder):  # noqa: F811
     engine = make(folder, speculative="ngram")

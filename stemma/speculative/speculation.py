@@ -219,7 +219,8 @@ class Speculation:
         step, which a compiled decode graph may make cheaper than any step that verifies, when
         the step is `decode_only`; a mixed step's graph is never asked, so that no prefill queues
         a compile for a batch size no decode forward has). No step is predicted past
-        max_verify_steps one-row steps."""
+        max_verify_steps one-row steps: a first draft that would cross it is passed over, and
+        the choice ends at the first deeper draft that would."""
         lengths = [0] * len(cands)
         if not cands or self.cost.steps == 0:
             return lengths  # no measured step yet: nothing to weigh drafts against
@@ -241,8 +242,12 @@ class Speculation:
             _, neg_gain, j = heapq.heappop(heap)
             more = speculating + (lengths[j] == 0)
             time = self.cost.predict(decodes, rows + 1, more)
-            if time <= 0 or time > longest:
-                break  # drafts are taken best first: the choice ends at the first past the bound
+            if time <= 0:
+                break
+            if time > longest:
+                if lengths[j] == 0:  # its speculating request's cost crossed the bound: a deeper
+                    continue         # draft of a request that already speculates may still fit
+                break  # a draft row alone crossed it: every draft after adds one too
             tokens, rows, speculating = tokens - neg_gain, rows + 1, more
             lengths[j] += 1
             taken.append(j)
