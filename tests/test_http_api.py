@@ -681,6 +681,30 @@ def test_tokenize_renders_messages_as_chat_does(folder):
     assert continued["tokens"] == render(state, reply, False, True)[0]
 
 
+def test_tokenize_with_no_messages_to_continue_is_not_an_internal_error(folder):
+    """schemathesis found it: `/tokenize` with `messages: []` and `continue_final_message`
+    answered 500 (the plain format read the last message of none)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from stemma.serve.http import native
+    from stemma.lang.chat_template import PLAIN
+    from stemma.serve.http.errors import ApiError
+    from stemma.serve.http.openai_models import TokenizeRequest
+    tok = AutoTokenizer.from_pretrained(folder)
+    state = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(context_length=4096),
+                            check_ready=lambda: None, model_names=lambda: ["tiny"])
+    assert tok.chat_template is None  # the frontend's plain format: nothing to continue, so the
+    empty = native.tokenize(state, TokenizeRequest(messages=[], continue_final_message=True))
+    assert empty["tokens"] == tok(PLAIN.prefix("assistant")).input_ids  # assistant's turn starts
+    state.tokenizer = tok = AutoTokenizer.from_pretrained(folder)  # (templates are cached by it)
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(ApiError) as caught:  # a template's own refusal is the client's error
+        native.tokenize(state, TokenizeRequest(messages=[], continue_final_message=True))
+    assert caught.value.param == "messages"
+
+
 def test_a_constraint_that_fails_later_is_reported_under_the_field_that_asked_for_it():
     """A constraint whose compile outlasts the engine's check fails its request later: the
     error names the field the user set (tool_choice for a forced call, not response_format)."""

@@ -74,7 +74,7 @@ def render(state: HttpState, messages: list[dict[str, Any]], add_generation_prom
     if template is PLAIN:
         text = "".join(PLAIN.prefix(m["role"]) + m["content"] + PLAIN.suffix(m["role"])
                        for m in messages if m["role"] in PLAIN.roles)
-        if continue_final and messages[-1]["role"] == "assistant":
+        if continue_final and messages and messages[-1]["role"] == "assistant":
             text = text[: len(text) - len(PLAIN.suffix("assistant"))]
         elif add_generation_prompt:
             text += PLAIN.prefix("assistant")
