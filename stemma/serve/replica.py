@@ -15,7 +15,7 @@ has room, and emptied when the engine dies (a new one never knew those requests)
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import zmq
 
@@ -24,7 +24,7 @@ from stemma.serve.supervisor import Supervision, Supervisor
 
 INTERNAL_HWM = 100_000    # frames queued towards an engine before clients are told to back off
 
-Control = Union[P.Abort, P.EndProgram]  # what no client may be refused: the engine must hear it
+Control = P.Abort | P.EndProgram  # what no client may be refused: the engine must hear it
 
 
 def bind(ctx: zmq.Context, kind: int, address: str) -> zmq.Socket:
