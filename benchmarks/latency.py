@@ -161,13 +161,16 @@ class StemmaSide:
         return str(self._clients(1)[0].info()["stats"].get("compiled_decode", "off"))
 
     async def settle_compile(self, prompts: Prompts, args, limit_s: float = 300.0) -> None:
-        """Single-stream requests until the engine has decided on its compiled one-row decode
-        forward (compile_decode=auto compiles on a background thread after 128 decode or verify
-        forwards), so that no round pays for the compile. Its trial (8 timed plain one-row
-        decodes each way) may then run on in the rounds: a speculating stream has few of them."""
+        """Single-stream requests until the engine has compiled its one-row decode forward
+        (compile_decode=auto compiles on a background thread after 128 decode or verify
+        forwards, in the time the steps leave idle), then a wait for the compile, so that no
+        round pays for it. Its trial (8 timed plain one-row decodes each way) may then run on in
+        the rounds: a speculating stream has few of them."""
         t0 = time.perf_counter()
         while self.compile_state() in ("waiting", "compiling") and time.perf_counter() - t0 < limit_s:
             await self.run([Job(prompts.ids(), args.new_tokens)], concurrent=False)
+            while self.compile_work()[0] == "compiling" and time.perf_counter() - t0 < limit_s:
+                await asyncio.sleep(0.5)
         print(f"stemma's compiled decode: {self.compile_state()} (after {time.perf_counter() - t0:.0f} s of "
               f"single-stream warm-up)", file=sys.stderr, flush=True)
 

@@ -3,6 +3,7 @@ tokens as the eager forward (float32, tiny random llama and gemma3, packed matri
 stemma::packed_linear), the background compile beside running steps, the trial that keeps the
 faster kind, and the fallback to eager when the graph fails."""
 import math
+import os
 import sys
 import threading
 import time
@@ -14,8 +15,8 @@ import stemma
 from stemma import SamplingParams
 from stemma.executor import trace_guard
 from stemma.executor.forward_batch import ForwardBatch
-from stemma.executor.compiled_decode import (COMPILE_SWITCH_INTERVAL, ONE, START_AFTER, CompiledDecode, Trial,
-                                             _ShortSwitch, resolve_mode, row_cuts)
+from stemma.executor.compiled_decode import (COMPILE_NICE, COMPILE_SWITCH_INTERVAL, ONE, START_AFTER,
+                                             CompiledDecode, Trial, _ShortSwitch, resolve_mode, row_cuts)
 from stemma.models.linear import KernelChoice
 from stemma.models.weights import packing_available
 from tests.tiny_models import build_tiny
@@ -343,6 +344,27 @@ def test_every_bucket_compiles_on_the_background_thread(tmp_path, monkeypatch):
         time.sleep(0.1)
     states = {b: compiled.bucket_state(b) for b in [ONE, *range(1, len(cuts) + 1)]}
     assert len(states) == 10 and set(states.values()) == {"trial"}, states
+
+
+def test_the_background_compile_runs_at_the_lowest_priority_and_the_steps_do_not(tmp_path, monkeypatch):
+    """The compile thread (and the compiler processes it starts) takes only the CPU the steps
+    leave idle (benchmarks/compile_load.py: at the default priority a 64-request batch on 2
+    cores decoded 2-10x slower for the minutes its graphs compiled)."""
+    engine = make(str(build_tiny("llama", tmp_path)), compile_decode="off")
+    compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "auto")
+    seen = {}
+
+    def record(bucket):
+        seen[bucket] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    monkeypatch.setattr(compiled, "_compile", record)
+    compiled.started = True
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert compiled.saving(1) == 0.0   # meets the one-request bucket: queued for the thread
+    deadline = time.monotonic() + 60
+    while compiled.thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen == {ONE: COMPILE_NICE}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread's stays
 
 
 def test_the_switch_interval_is_short_while_any_compile_thread_lives():
