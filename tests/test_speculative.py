@@ -173,16 +173,25 @@ def test_a_verify_step_is_bounded_in_one_row_steps():
     assert sum(spec.choose(16, [(0.9, 8)] * 16)) == 0
 
 
+def fitted(seed: int, max_rows: int, base: float, per_draft: float, per_speculating: float) -> Speculation:
+    """A Speculation whose step-cost fit saw 300 steps of that cost (no cost per decode row),
+    unbounded and with no compiled graph until a test sets them."""
+    spec = Speculation.__new__(Speculation)
+    spec.cost = StepCost()
+    spec.compiled_saving = None
+    spec.max_verify_steps = math.inf
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        rows, drafts = int(rng.integers(1, max_rows)), int(rng.integers(0, 24))
+        speculating = min(drafts, int(rng.integers(1, rows + 1)))
+        spec.cost.observe(rows, drafts, speculating, base + per_draft * drafts + per_speculating * speculating)
+    return spec
+
+
 def test_deep_drafts_for_a_few_requests_come_before_a_costly_first_draft_for_each():
     # the fit of a 4-stream round on the default model: each speculating request adds 4.7 ms,
     # each draft row 0.3 ms; the compiled plain step saves 8 ms; verify steps bounded at 1.5x
-    spec = Speculation.__new__(Speculation)
-    spec.cost = StepCost()
-    rng = np.random.default_rng(2)
-    for _ in range(200):
-        rows, drafts = int(rng.integers(1, 8)), int(rng.integers(0, 24))
-        speculating = min(drafts, int(rng.integers(1, rows + 1)))
-        spec.cost.observe(rows, drafts, speculating, 0.0361 + 0.0003 * drafts + 0.0047 * speculating)
+    spec = fitted(seed=2, max_rows=8, base=0.0361, per_draft=0.0003, per_speculating=0.0047)
     spec.compiled_saving = lambda decodes: 0.008
     spec.max_verify_steps = 1.5
     # one first draft each would give 6.97 tokens in 48.7 ms (the fourth is past the bound),
@@ -198,14 +207,7 @@ def test_a_first_draft_past_the_bound_is_passed_over_for_a_deeper_one_that_fits(
     # a speculating request costs what a draft row costs (2 ms each); the plain step 30 ms, the
     # bound 41 ms. Best first: 0.7's first (34 ms), its second (0.49, 36 ms) and third (0.343,
     # 38 ms), then 0.65's first, which would need 42 ms; 0.7's fourth (0.24) fits at 40 ms
-    spec = Speculation.__new__(Speculation)
-    spec.cost = StepCost()
-    rng = np.random.default_rng(3)
-    for _ in range(300):
-        rows, drafts = int(rng.integers(1, 16)), int(rng.integers(0, 24))
-        speculating = min(drafts, int(rng.integers(1, rows + 1)))
-        spec.cost.observe(rows, drafts, speculating, 0.030 + 0.002 * drafts + 0.002 * speculating)
-    spec.compiled_saving = None
+    spec = fitted(seed=3, max_rows=16, base=0.030, per_draft=0.002, per_speculating=0.002)
     spec.max_verify_steps = 0.041 / 0.030
     assert spec.choose(2, [(0.7, 8), (0.65, 8)]) == [4, 0]
     spec.max_verify_steps = math.inf  # unbounded: both speculate

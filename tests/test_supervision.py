@@ -367,6 +367,15 @@ def feed(gw: Gateway, *items: P.Message) -> None:
     gw.on_engine(zmq.Frame(P.encode(P.Batch(items=list(items)))))
 
 
+def open_stream(gw: Gateway, peer: zmq.Socket, rid: str) -> str:
+    """`peer` starts a long stream `rid`; the engine id the gateway sent it on under."""
+    peer.send_multipart([b"", P.encode(P.GenerateReq(rid=rid, input_ids=[5, 6], stream=True,
+                                                     params=SamplingParams(**LONG)))])
+    assert gw.router.poll(5000)
+    gw._drain(gw.router, gw.on_client_guarded)
+    return engine_takes(gw, P.GenerateReq).rid
+
+
 def test_a_peer_whose_queue_fills_is_cut_off_and_told_once_it_reads(gateway):
     port = gateway.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
     peer = gateway.ctx.socket(zmq.DEALER)
@@ -375,11 +384,7 @@ def test_a_peer_whose_queue_fills_is_cut_off_and_told_once_it_reads(gateway):
     peer.setsockopt(zmq.LINGER, 0)
     peer.connect(f"tcp://127.0.0.1:{port}")
     try:
-        peer.send_multipart([b"", P.encode(P.GenerateReq(rid="slow", input_ids=[5, 6], stream=True,
-                                                         params=SamplingParams(**LONG)))])
-        assert gateway.router.poll(5000)
-        gateway._drain(gateway.router, gateway.on_client_guarded)
-        gid = engine_takes(gateway, P.GenerateReq).rid
+        gid = open_stream(gateway, peer, "slow")
         sent = 0
         while gateway.routes.get(gid) is not None:  # the engine streams; the peer does not read
             feed(gateway, P.TokenChunk(rid=gid, token_ids=[7]))
@@ -456,11 +461,7 @@ def test_an_abort_that_the_full_engine_queue_refused_reaches_it_once_there_is_ro
     peer.setsockopt(zmq.LINGER, 0)
     peer.connect(gateway.router.getsockopt(zmq.LAST_ENDPOINT).decode())
     try:
-        peer.send_multipart([b"", P.encode(P.GenerateReq(rid="a", input_ids=[5, 6], stream=True,
-                                                         params=SamplingParams(**LONG)))])
-        assert gateway.router.poll(5000)
-        gateway._drain(gateway.router, gateway.on_client_guarded)
-        gid = engine_takes(gateway, P.GenerateReq).rid
+        gid = open_stream(gateway, peer, "a")
         sent = fill_engine_queue(gateway)
         peer.send_multipart([b"", P.encode(P.Abort(rid="a"))])
         peer.send_multipart([b"", P.encode(P.GenerateReq(rid="b", input_ids=[5, 7],
@@ -489,11 +490,7 @@ def test_the_abort_of_a_vanished_client_waits_for_room_in_the_full_engine_queue(
     peer = gateway.ctx.socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
     peer.connect(gateway.router.getsockopt(zmq.LAST_ENDPOINT).decode())
-    peer.send_multipart([b"", P.encode(P.GenerateReq(rid="a", input_ids=[5, 6], stream=True,
-                                                     params=SamplingParams(**LONG)))])
-    assert gateway.router.poll(5000)
-    gateway._drain(gateway.router, gateway.on_client_guarded)
-    gid = engine_takes(gateway, P.GenerateReq).rid
+    gid = open_stream(gateway, peer, "a")
     sent = fill_engine_queue(gateway)
     peer.close()
     deadline = time.monotonic() + 10
