@@ -169,8 +169,7 @@ class StemmaSide:
         t0 = time.perf_counter()
         while self.compile_state() in ("waiting", "compiling") and time.perf_counter() - t0 < limit_s:
             await self.run([Job(prompts.ids(), args.new_tokens)], concurrent=False)
-            while self.compile_work()[0] == "compiling" and time.perf_counter() - t0 < limit_s:
-                await asyncio.sleep(0.5)
+            await self.wait_compiles(t0 + limit_s)
         print(f"stemma's compiled decode: {self.compile_state()} (after {time.perf_counter() - t0:.0f} s of "
               f"single-stream warm-up)", file=sys.stderr, flush=True)
 
@@ -179,6 +178,12 @@ class StemmaSide:
         stats = self._clients(1)[0].info()["stats"]
         return (str(stats.get("compiled_decode_phase", "off")), str(stats.get("compiled_decode", "off")),
                 str(stats.get("compiled_decode_batched", "off")))
+
+    async def wait_compiles(self, deadline: float) -> None:
+        """Until the engine's compile work is done (or `deadline`, perf_counter seconds), sending
+        nothing: the compile thread runs in the time the steps leave idle."""
+        while self.compile_work()[0] == "compiling" and time.perf_counter() < deadline:
+            await asyncio.sleep(0.5)
 
     async def settle_batched(self, jobs: list[Job], concurrent: bool, limit_s: float = 600.0) -> None:
         """Unmeasured rounds of the scenario's own jobs until one meets no bucket of batch sizes
@@ -195,8 +200,7 @@ class StemmaSide:
             before = self.compile_work()
             await self.run(jobs, concurrent)
             rounds += 1
-            while self.compile_work()[0] == "compiling" and time.perf_counter() - t0 < limit_s:
-                await asyncio.sleep(0.5)
+            await self.wait_compiles(t0 + limit_s)
             after = self.compile_work()
             if before[0] in ("off", "failed") or (before[0] == "idle" and met(before) == met(after)):
                 break  # no compile to come, or none queued by a round that began after the start

@@ -77,31 +77,31 @@ class Replica:
 
     def send(self, msg: P.Message) -> bool:
         """False when its queue is full (or holds a backlog, which goes first)."""
-        if self.backlog and not self.flush():
-            return False
-        try:
-            self.push.send(P.encode(msg), zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
+        return self.flush() and self._push(P.encode(msg))
 
     def send_control(self, msg: Control) -> None:
         """Sends `msg` now, or as soon as the queue has room (`flush`): an abort that a full
         queue dropped would leave the engine running a request that nobody waits for."""
         key = (msg.TAG, msg.program_id if isinstance(msg, P.EndProgram) else msg.rid)
-        if key in self.backlog or not self.send(msg):
-            self.backlog.setdefault(key, P.encode(msg))
+        frame = P.encode(msg)
+        if key in self.backlog or not (self.flush() and self._push(frame)):
+            self.backlog.setdefault(key, frame)
 
     def flush(self) -> bool:
         """Sends the backlog as far as the queue takes it; True once it is empty."""
         while self.backlog:
             key = next(iter(self.backlog))
-            try:
-                self.push.send(self.backlog[key], zmq.NOBLOCK)
-            except zmq.Again:
+            if not self._push(self.backlog[key]):
                 return False
             del self.backlog[key]
         return True
+
+    def _push(self, frame: bytes) -> bool:
+        try:
+            self.push.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def close(self) -> None:
         self.sup.stop()
