@@ -144,6 +144,13 @@ def test_a_norm_weight_changed_in_place_reaches_the_graph(folder):
     engine.check_pool_whole()
 
 
+def pause_if_compiling(compiled):
+    """A user's pause between requests: a background compile goes on only while no forward runs
+    (executor.compile_gate)."""
+    if compiled.compiling:
+        time.sleep(0.5)
+
+
 @LLAMA_BY_DEFAULT
 def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     monkeypatch.setenv("STEMMA_COMPILE", "1")
@@ -154,6 +161,7 @@ def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     assert compiled.state == "waiting" and engine.stats()["compiled_decode_phase"] == "counting"
     while compiled.state in ("waiting", "compiling", "trial") and time.monotonic() < deadline:
         outputs.append(engine.generate(PROMPTS[len(outputs) % len(PROMPTS)], GREEDY).token_ids)
+        pause_if_compiling(compiled)
     assert compiled.state in ("kept", "dropped"), compiled.stats()
     stats = compiled.stats()
     assert stats["compiled_ms"] > 0 and stats["eager_ms"] > 0 and stats["compile_s"] > 0
@@ -164,6 +172,7 @@ def test_background_compile_while_steps_run(folder, reference, monkeypatch):
     assert stats["batched"] == {} and engine.stats()["compiled_decode_batched"] == ""
     while compiled.bucket_state(1) not in ("kept", "dropped") and time.monotonic() < deadline:
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+        pause_if_compiling(compiled)
     assert compiled.batched_states() == {"2+": compiled.bucket_state(1)}
     assert compiled.bucket_state(1) in ("kept", "dropped") and len(compiled.trials[1].times[True]) == 8
     assert engine.stats()["compiled_decode_batched"] == f"2+:{compiled.bucket_state(1)}"
@@ -288,36 +297,44 @@ def test_eager_forwards_while_a_compile_runs_elsewhere(folder, reference):
     engine.check_pool_whole()
 
 
-def test_a_step_waits_out_another_threads_trace_window(folder, reference):
+def test_a_step_beside_another_threads_trace_window_runs_its_own_modules(folder, reference):
     """torch.fx's tracer, under every Inductor compile, patches nn.Module.__call__ for the whole
     process while it traces: a step beside a background compile failed ("module is not installed
-    as a submodule"). With the guard that a compile job installs, the step waits for the window
-    to close, then computes what it computes alone."""
+    as a submodule"), and a step that waited for the window stalled for seconds. Once a compile
+    job has installed the guard, a window's patches act on its own thread only: the step runs at
+    once and computes what it computes alone, and the trace still records the module's call."""
     trace_guard.install()
     engine = make(folder, compile_decode="off")
     force_packed(engine)
-    entered, release = threading.Event(), threading.Event()
+    entered, release, traced = threading.Event(), threading.Event(), []
 
     class Blocker(torch.nn.Module):
         def forward(self, x):
             entered.set()
-            release.wait(30)
-            return x + 1
+            release.wait(300)
+            return torch.nn.functional.relu(x + 1)
 
-    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Blocker(),))
-    tracer.start()
-    assert entered.wait(30)
+    tracer = threading.Thread(target=lambda: traced.append(torch.fx.symbolic_trace(Blocker())))
     outputs = []
     steps = threading.Thread(target=lambda: outputs.extend(engine.generate(PROMPTS, GREEDY)))
-    steps.start()
-    steps.join(0.5)
-    held = steps.is_alive() and not outputs
-    release.set()
-    tracer.join(30)
-    steps.join(120)
-    assert held, "a step ran inside another thread's trace window"
+    tracer.start()
+    try:
+        assert entered.wait(30)
+        assert torch.nn.Module.__call__ is not stock_call  # the window's patches are in place
+        steps.start()
+        steps.join(120)
+        assert not steps.is_alive(), "a step waited for another thread's trace window"
+    finally:
+        release.set()
+        tracer.join(30)
+        steps.join(300)
     assert [o.token_ids for o in outputs] == reference
+    assert torch.nn.Module.__call__ is stock_call
+    assert [n.target for n in traced[0].graph.nodes if n.op == "call_function"][-1] is torch.nn.functional.relu
     engine.check_pool_whole()
+
+
+stock_call = torch.nn.Module.__call__
 
 
 def test_every_bucket_compiles_on_the_background_thread(tmp_path, monkeypatch):

@@ -213,8 +213,9 @@ class Engine:
             return self.scheduler.fail_step(plan, exc)
         touched = self.scheduler.postprocess(plan, out)
         seconds = time.perf_counter() - start
-        # a step a background compile slowed down (Dynamo's tracing holds the GIL, 10x for
-        # seconds), one that compiled a graph itself (compile_decode=on), or one that held the
+        # a step beside a background compile (its Python waits at the compile gate between a
+        # step's forwards no longer than 50 ms, and its compiler processes share the cores),
+        # one that compiled a graph itself (compile_decode=on), or one that held the
         # row ops' one-off trial (executor.compiled_rows), is no sample of what steps cost:
         # neither fit learns from it
         stalled = compiling or self._compiling() or self.runner.one_offs() != one_offs

@@ -22,7 +22,10 @@ Modes (`EngineConfig.compile_decode`):
   drafts: a one-off command that decodes a few dozen tokens never pays for it), each bucket a
   decode forward falls in is compiled on a background thread, one at a time (15-30 s each on
   2 cores; Inductor's on-disk cache shortens later starts), while its forwards run eager. The
-  thread runs at the lowest CPU priority, so it compiles in the time the steps leave idle. Then
+  thread's Python waits while any forward runs (`executor.compile_gate`: it holds the GIL that
+  every eager op takes back) and the compiler processes it starts run at the lowest CPU
+  priority, so it compiles in the engine's idle time; under a load that never lets up, the
+  engine stays eager. Then
   the next TRIALS forwards of that bucket alternate, and its graph is kept only if its median
   forward is faster than eager: measured on the machine, bucket by bucket.
 - `off`: eager only.
@@ -42,6 +45,7 @@ has finished, so a step never compiles in `auto`.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import math
 import os
@@ -55,8 +59,9 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from stemma.attention.select import make_attention_backend
+from stemma.executor.compile_gate import GATE
 from stemma.executor.compiled_rows import CompiledRows
-from stemma.executor.trace_guard import compile_job, forwarding
+from stemma.executor.trace_guard import compile_job, forwarding, install
 from stemma.cache.kv_pool import KVPool
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.models.causal_lm import CausalLM
@@ -107,10 +112,8 @@ _SHORT_SWITCH = _ShortSwitch()
 
 def _lowest_priority() -> None:
     """This thread, and the compiler processes it starts, take only the CPU that the steps leave
-    idle. At the default priority on 2 cores, a 64-request batch decoded at 38-192 tok/s for the
-    minutes its graphs took to compile, against 321-390 before (benchmarks/compile_load.py); at
-    the lowest, at its eager speed, and the compiles wait for the engine's idle time (a server
-    under a load that never lets up stays eager)."""
+    idle. The compiler processes hold no GIL, so the compile gate does not hold them back; at
+    the default priority they took a core from the steps (benchmarks/compile_load.py)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
     except (AttributeError, OSError) as exc:  # not Linux, or not allowed: the compile goes on
@@ -306,7 +309,9 @@ class CompiledDecode:
 
     def _drain(self) -> None:
         _lowest_priority()
-        with _SHORT_SWITCH:
+        # where the trace windows cannot patch for their own thread, a compile holds GUARD
+        # throughout (trace_guard): pacing it would stall the forwards that wait for it
+        with _SHORT_SWITCH, (GATE.paced() if install() else contextlib.nullcontext()):
             while True:
                 with self.lock:  # under the lock: a bucket queued after this starts the next thread
                     if self.failed or not self.queue:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from stemma.attention.select import make_attention_backend
+from stemma.executor.compile_gate import GATE
 from stemma.executor.compiled_decode import CompiledDecode, resolve_mode
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.cache.kv_pool import KVPool, ReqToSlot
@@ -60,7 +61,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [K, vocab] at fb.logits_indices (model dtype; see CausalLM.forward)."""
+        """Logits [K, vocab] at fb.logits_indices (model dtype; see CausalLM.forward). A
+        background compile's Python waits meanwhile (executor.compile_gate)."""
+        with GATE.forward():
+            return self._forward(fb)
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.workers is not None:
             self.workers.send(fb)
         compiled = self.compiled

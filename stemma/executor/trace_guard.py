@@ -1,31 +1,35 @@
-"""No forward runs while another thread traces a compile.
+"""A torch.fx trace window patches for its own thread only, so a step beside a compile runs its own modules.
 
 torch.fx's tracer, under every Inductor compile (AOTAutograd's make_fx traces Dynamo's graph),
-patches `torch.nn.Module.__call__` and `__getattr__` for the whole process while it traces. A
-module that another thread calls meanwhile runs the tracer's wrapper, not its own forward: a
-step beside a background compile failed with "module is not installed as a submodule".
+patches `torch.nn.Module.__call__` and `__getattr__` (and some global functions) for the whole
+process while it traces. A module that another thread called meanwhile ran the tracer's wrapper,
+not its own forward: a step beside a background compile failed with "module is not installed as
+a submodule". A step that waited for the window instead stalled for as long as the window lasts
+(4-7 s for the default model's decode graph).
 
 Invariants:
-- every trace window (torch.fx's patcher, entered on any thread) holds GUARD;
-- a step's forward holds GUARD (`forwarding`), so it waits out a trace window, never a whole
-  compile;
-- a compile job (`compile_job`) holds COMPILES, and its own forwards (the dummy forwards whose
-  first call compiles) do not hold GUARD, or a step would wait for the whole compile. COMPILES
-  admits one compile job in the process at a time, so no other job's trace window patches the
-  modules under them; a step's forward traces only when Dynamo recompiles inside it, which the
-  graphs' guards are made to avoid (sizes dynamic, layouts warmed).
+- every trace window (torch.fx's patcher, entered on any thread) installs its patches wrapped:
+  on the thread that entered it they run the tracer's function, on any other thread the one
+  they replaced. So a step's forward neither waits for a window nor sees its patches;
+- a compile job (`compile_job`) holds COMPILES: one compile job in the process at a time, as
+  torch.fx keeps one current patcher per process. A step's forward traces only when Dynamo
+  recompiles inside it, which the graphs' guards are made to avoid (sizes dynamic, layouts
+  warmed);
+- where this torch has no patcher to wrap (`install` False), a compile job holds GUARD for its
+  whole length and every forward holds GUARD (`forwarding`): the steps then wait for the compile;
 - lock order: COMPILES, then a compile's own locks, then GUARD.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
-GUARD = threading.RLock()     # trace windows and steps' forwards (re-entrant: a trace inside a forward)
+GUARD = threading.RLock()     # (no wrappable patcher) compile jobs and forwards
 COMPILES = threading.RLock()  # compile jobs, one at a time in the process
 _installed: bool | None = None
 _installing = threading.Lock()
@@ -33,8 +37,8 @@ _local = threading.local()    # .jobs: compile jobs this thread is inside
 
 
 def install() -> bool:
-    """Makes torch.fx's trace windows hold GUARD (once per process). False where this torch has
-    no patcher to wrap: then a background compile is not safe beside steps."""
+    """Makes torch.fx's trace windows patch for their own thread only (once per process). False
+    where this torch has no patcher to wrap: then a background compile is not safe beside steps."""
     global _installed
     with _installing:
         if _installed is None:
@@ -45,18 +49,43 @@ def install() -> bool:
 def _wrap_patcher() -> bool:
     from torch.fx import _symbolic_trace as fx_trace
     original = getattr(fx_trace, "_new_patcher", None)
-    if original is None:
-        logger.warning("torch.fx has no _new_patcher here: a background compile could break the steps "
+    if original is None or not all(hasattr(getattr(fx_trace, "_Patcher", None), m) for m in ("patch", "patch_method")):
+        logger.warning("torch.fx has no patcher to wrap here: a background compile could break the steps "
                        "beside it, so compiles will wait for the steps and the steps for them")
         return False
 
     @contextlib.contextmanager
-    def guarded_patcher() -> Iterator:
-        with GUARD, original() as patcher:
+    def own_thread_patcher() -> Iterator:
+        with original() as patcher:
+            _patch_for_this_thread(patcher)
             yield patcher
 
-    fx_trace._new_patcher = guarded_patcher
+    fx_trace._new_patcher = own_thread_patcher
     return True
+
+
+def _patch_for_this_thread(patcher) -> None:
+    """Makes `patcher` install each patch wrapped by `_on_thread` for the calling thread."""
+    owner = threading.get_ident()
+    patch, patch_method = patcher.patch, patcher.patch_method
+
+    def patch_here(frame_dict: dict, name: str, new_fn: Callable, deduplicate: bool = True) -> None:
+        replaced = frame_dict[name] if name in frame_dict or not hasattr(builtins, name) else getattr(builtins, name)
+        patch(frame_dict, name, _on_thread(owner, new_fn, replaced), deduplicate)
+
+    def patch_method_here(cls: type, name: str, new_fn: Callable, deduplicate: bool = True) -> None:
+        patch_method(cls, name, _on_thread(owner, new_fn, getattr(cls, name)), deduplicate)
+
+    patcher.patch, patcher.patch_method = patch_here, patch_method_here
+
+
+def _on_thread(owner: int, new_fn: Callable, replaced: Callable) -> Callable:
+    """`new_fn` on thread `owner`, `replaced` on every other."""
+    def either(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == owner:
+            return new_fn(*args, **kwargs)
+        return replaced(*args, **kwargs)
+    return either
 
 
 @contextlib.contextmanager
@@ -73,8 +102,9 @@ def compile_job() -> Iterator[None]:
 
 @contextlib.contextmanager
 def forwarding() -> Iterator[None]:
-    """Held by a forward: GUARD, unless this thread is inside a compile job (see the invariants)."""
-    if getattr(_local, "jobs", 0):
+    """Held by a forward: nothing where the windows patch for their own thread; else GUARD,
+    unless this thread is inside a compile job (whose own forwards must not wait for it)."""
+    if _installed or getattr(_local, "jobs", 0):
         yield
         return
     with GUARD:
