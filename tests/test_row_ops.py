@@ -1,17 +1,20 @@
 """The row ops (norms, q/k norm with rope, activation) compiled by Inductor for eager forwards of
 many rows: the same values as the eager functions (float32), the same logits and greedy tokens
 as an engine without them (tiny random llama and gemma3), no compile in a step after their
-warm-up, and the trial's rule for the row count they start at."""
+warm-up, and the trial: its rule for the row count they start at, and where it runs."""
 import time
 
 import torch
 import torch.nn.functional as F
 
 from stemma import SamplingParams
-from stemma.executor.compiled_rows import CompiledRows
+from stemma.executor.compile_gate import GATE
+from stemma.executor.compiled_decode import ROWS, CompiledDecode
+from stemma.executor.compiled_rows import ROWS_TRIED, CompiledRows
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.models.row_ops import EAGER, RowOps, compiled_row_ops
 from tests.test_compiled_decode import folder, make  # noqa: F401 (folder: the tiny models' fixture)
+from tests.tiny_models import build_tiny
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 PROMPTS = [list(range(3, 40)), [7] * 30 + list(range(20, 60)), list(range(50, 83))]  # 33-70 tokens, ids < 96
@@ -156,3 +159,33 @@ def test_a_trial_that_raises_leaves_every_forward_eager():
     for _ in range(3):
         assert rows.ops_for(512, compiling=False) is EAGER
     assert rows.state == "failed" and rows.trials_run == 1
+
+
+def test_a_timing_during_which_a_forward_began_is_taken_again():
+    """In `auto` the trial runs on the compile thread, whose Python a forward pauses: that
+    timing would hold the pause."""
+    seconds = iter([0.05, 0.001])
+
+    def run(fb, ops):
+        pause = next(seconds)
+        if pause > 0.01:
+            with GATE.forward():  # a step's forward began meanwhile
+                pass
+        time.sleep(pause)
+    rows = CompiledRows(run, cuts=(1,))
+    assert rows._timed(32, EAGER, paced=True) < 0.01
+
+
+def test_auto_times_the_row_ops_on_the_compile_thread_not_in_a_step(tmp_path):
+    engine = make(str(build_tiny("llama", tmp_path)), compile_decode="off")
+    compiled = CompiledDecode(engine.loaded.model, engine.runner.pool, "auto")
+    compiled.started = True
+    with compiled.lock:
+        compiled.rows.state = "queued"
+        compiled._queue(ROWS)
+    deadline = time.monotonic() + 300
+    while compiled.thread is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert compiled.rows.state in ("kept", "dropped") and compiled.rows.trials_run == 1
+    assert set(compiled.rows.times) == set(ROWS_TRIED)
+    engine.check_pool_whole()

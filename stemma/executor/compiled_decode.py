@@ -31,7 +31,8 @@ Modes (`EngineConfig.compile_decode`):
 - `off`: eager only.
 The same thread first compiles the row ops of the eager forwards (`executor.compiled_rows`: the
 norms, rope and activation as one loop each, which a prefill of many rows gains most from; `on`:
-in the constructor); a measured row count decides which forwards use them.
+in the constructor) and times them against the eager ones; a measured row count decides which
+forwards use them.
 A compile that raises leaves its bucket eager; a compiled call that raises, every bucket (logged).
 
 Invariants: the graphs run on their own attention backend (per-forward metadata lives on a
@@ -310,8 +311,10 @@ class CompiledDecode:
     def _drain(self) -> None:
         _lowest_priority()
         # where the trace windows cannot patch for their own thread, a compile holds GUARD
-        # throughout (trace_guard): pacing it would stall the forwards that wait for it
-        with _SHORT_SWITCH, (GATE.paced() if install() else contextlib.nullcontext()):
+        # throughout (trace_guard): pacing it would stall the forwards that wait for it, and the
+        # row ops' trial is left to a step
+        paced = install()
+        with _SHORT_SWITCH, (GATE.paced() if paced else contextlib.nullcontext()):
             while True:
                 with self.lock:  # under the lock: a bucket queued after this starts the next thread
                     if self.failed or not self.queue:
@@ -320,6 +323,8 @@ class CompiledDecode:
                     bucket = self.queue.pop(0)
                 if bucket == ROWS:
                     self.rows.compile()  # raises nothing either
+                    if self.rows.state == "ready" and paced:
+                        self.rows.trial(paced=True)  # in the engine's idle time, not inside a step
                 else:
                     self._compile(bucket)  # raises nothing: a failed compile marks its bucket
 

@@ -5,10 +5,13 @@ forwards of synthetic prefills (`ForwardBatch.on_padding_slot`: KV slot 0 only) 
 one at each row count where some matrix's kernel choice changes, and at each count the trial
 times. A compiled function's guards hold its inputs' strides, and a matmul's output is laid out
 as its kernel leaves it (`models.linear`: a transposed view at some row counts), so only the real
-forward meets every layout a step will; a step then never compiles. Then the first forward that
-finds no compile running holds the trial: synthetic prefills of each of ROWS_TRIED row counts,
-eager and compiled ops alternately, REPS of each (about 2 s on the default model, once; the
-step that holds it is no sample of step cost). Forwards of at least the smallest count from
+forward meets every layout a step will; a step then never compiles. Then the trial: synthetic
+prefills of each of ROWS_TRIED row counts, eager and compiled ops alternately, REPS of each
+(about 2 s on the default model, once). In `auto` the compile thread runs it right after the
+compile, in the engine's idle time (`compile_gate`: a forward pauses it, and a timing during
+which a forward of the process began is taken again); in `on`, and wherever the thread did not,
+the first forward that finds no compile running holds it (that step is no sample of step
+cost). Forwards of at least the smallest count from
 which the compiled ops won at every larger count use them; if they lost at the largest, none
 does.
 
@@ -25,6 +28,7 @@ from typing import Callable
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from stemma.executor.compile_gate import GATE
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.executor.trace_guard import compile_job
 from stemma.models.row_ops import EAGER, RowOps, compiled_row_ops
@@ -87,10 +91,12 @@ class CompiledRows:
             return self.ops
         return EAGER
 
-    def trial(self) -> None:
+    def trial(self, paced: bool = False) -> None:
+        """`paced`: run by the compile thread, whose Python a forward pauses (compile_gate): a
+        timing during which a forward of the process began is taken again."""
         self.trials_run += 1
         try:
-            self._time_both()
+            self._time_both(paced)
         except Exception as exc:  # a compiler or runtime failure: no request's fault
             self.fail(exc)
             return
@@ -104,15 +110,24 @@ class CompiledRows:
         logger.info("prefill forwards, eager vs compiled row ops: %s; %s", self.describe_times(),
                     f"compiled from {self.min_rows} rows" if self.min_rows else "eager kept")
 
-    def _time_both(self) -> None:
+    def _time_both(self, paced: bool) -> None:
         for rows in ROWS_TRIED:
             times: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(REPS):
                 for compiled in (False, True):
-                    t0 = time.perf_counter()
-                    self._prefill(rows, self.ops if compiled else EAGER)
-                    times[compiled].append(time.perf_counter() - t0)
+                    times[compiled].append(self._timed(rows, self.ops if compiled else EAGER, paced))
             self.times[rows] = (1e3 * statistics.median(times[False]), 1e3 * statistics.median(times[True]))
+
+    def _timed(self, rows: int, ops: RowOps, paced: bool) -> float:
+        """Seconds of one synthetic prefill (`paced`: during which no forward of the process began;
+        a paced thread only runs while none does, so it waits, never spins)."""
+        while True:
+            begun = GATE.begun
+            t0 = time.perf_counter()
+            self._prefill(rows, ops)
+            seconds = time.perf_counter() - t0
+            if not paced or GATE.begun == begun:
+                return seconds
 
     def fail(self, exc: Exception) -> None:
         """The compiled ops raised (in the trial, or in a forward that then ran eager): every
