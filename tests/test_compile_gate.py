@@ -54,6 +54,19 @@ def test_a_compile_threads_python_waits_while_a_forward_runs_and_goes_on_after()
         worker.end()
 
 
+def test_a_thread_paced_inside_a_forward_waits_for_that_forward():
+    """A bucket's compile is queued by a forward that meets it, and its thread starts then."""
+    gate = CompileGate()
+    with gate.forward():
+        worker = Worker(gate)
+        try:
+            assert worker.calls_over(0.2) <= 1
+        finally:
+            worker.stop.set()
+    time.sleep(IDLE_AFTER * 1.5)
+    worker.end()
+
+
 def test_the_gate_holds_while_any_of_overlapping_forwards_runs():
     gate = CompileGate()
     worker = Worker(gate)

@@ -90,8 +90,9 @@ class CompileGate:
             time.sleep(min(left, IDLE_AFTER))
 
     def tracer(self) -> Callable:
-        """The trace function of one compile thread (a fresh one per thread)."""
-        seen = self.begun
+        """The trace function of one compile thread (a fresh one per thread). Its first call
+        looks at the gate: a compile queued inside a forward must not run beside that forward."""
+        seen = -1
 
         def trace(frame, event, arg):
             nonlocal seen
