@@ -49,12 +49,16 @@ AFTER = 3  # rounds run once every graph met is judged (single)
 
 
 def configure(name: str) -> None:
-    """`ungated`: the compile thread's Python runs beside the forwards (no compile gate);
-    `default-priority`: that, and the compile thread at the process's own priority."""
+    """`ungated`: the compile thread's Python runs beside the forwards (no compile gate), and the
+    row ops' trial is held by a step, as before the gate (an unpaced thread's trial would retake
+    every timing that a step's forward overlapped); `default-priority`: that, and the compile
+    thread at the process's own priority."""
     import contextlib
-    from stemma.executor import compile_gate, compiled_decode
+    from stemma.executor import compile_gate, compiled_decode, compiled_rows
     if name in ("ungated", "default-priority"):
         compile_gate.CompileGate.paced = lambda self: contextlib.nullcontext()
+        trial = compiled_rows.CompiledRows.trial
+        compiled_rows.CompiledRows.trial = lambda self, paced=False: None if paced else trial(self)
     if name == "default-priority":
         compiled_decode.COMPILE_NICE = os.getpriority(os.PRIO_PROCESS, 0)
 

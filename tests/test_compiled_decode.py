@@ -144,6 +144,13 @@ def test_a_norm_weight_changed_in_place_reaches_the_graph(folder):
     engine.check_pool_whole()
 
 
+def drained(compiled, seconds: float) -> None:
+    """Until the background compile thread has nothing left to do (or `seconds` pass)."""
+    deadline = time.monotonic() + seconds
+    while compiled.thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def pause_if_compiling(compiled):
     """A user's pause between requests: a background compile goes on only while no forward runs
     (executor.compile_gate)."""
@@ -356,9 +363,7 @@ def test_every_bucket_compiles_on_the_background_thread(tmp_path, monkeypatch):
     compiled.started = True
     for rows in range(1, 11):
         assert compiled.saving(rows) == 0.0   # meets the bucket: queued for the thread
-    deadline = time.monotonic() + 300
-    while compiled.thread is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    drained(compiled, 300)
     states = {b: compiled.bucket_state(b) for b in [ONE, *range(1, len(cuts) + 1)]}
     assert len(states) == 10 and set(states.values()) == {"trial"}, states
 
@@ -377,9 +382,7 @@ def test_the_background_compile_runs_at_the_lowest_priority_and_the_steps_do_not
     compiled.started = True
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert compiled.saving(1) == 0.0   # meets the one-request bucket: queued for the thread
-    deadline = time.monotonic() + 60
-    while compiled.thread is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    drained(compiled, 60)
     assert seen == {ONE: COMPILE_NICE}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread's stays
 

@@ -13,7 +13,7 @@ from stemma.executor.compiled_decode import ROWS, CompiledDecode
 from stemma.executor.compiled_rows import ROWS_TRIED, CompiledRows
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.models.row_ops import EAGER, RowOps, compiled_row_ops
-from tests.test_compiled_decode import folder, make  # noqa: F401 (folder: the tiny models' fixture)
+from tests.test_compiled_decode import drained, folder, make  # noqa: F401 (folder: the tiny models' fixture)
 from tests.tiny_models import build_tiny
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
@@ -183,9 +183,7 @@ def test_auto_times_the_row_ops_on_the_compile_thread_not_in_a_step(tmp_path):
     with compiled.lock:
         compiled.rows.state = "queued"
         compiled._queue(ROWS)
-    deadline = time.monotonic() + 300
-    while compiled.thread is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    drained(compiled, 300)
     assert compiled.rows.state in ("kept", "dropped") and compiled.rows.trials_run == 1
     assert set(compiled.rows.times) == set(ROWS_TRIED)
     engine.check_pool_whole()
