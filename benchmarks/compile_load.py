@@ -1,6 +1,7 @@
 """Serving while the decode graphs compile in the background: stemma's compile (its Python held
-at the compile gate, its compiler processes at the lowest CPU priority) against the same compile
-without the gate, and without either.
+at the compile gate, its compiler processes at the lowest CPU priority, no automatic full garbage
+collection while it runs) against the same compile with Python's own garbage collection
+(`python-gc`), without the gate too (`ungated`), and without the low priority either.
 
 Under `compile_decode=auto` an engine compiles one decode graph per bucket of batch sizes on a
 background thread once it has run 128 decode forwards (`executor/compiled_decode.py`), while its
@@ -15,12 +16,13 @@ steps go on eagerly. Each config runs in a process of its own with an Inductor c
 Each prints every round's tok/s and its compile states. The table gives, per config: tok/s
 over all rounds, the rounds run while a compile was queued or running and their median and
 slowest tok/s, the median tok/s of the rounds before the compiles started and after they ended,
-and the seconds from the first compile to the last. The ratio lines compare stemma's slowest
+the seconds from the first compile to the last, and the full garbage collections that ran
+inside rounds (their count, time, and the most in one round). The ratio lines compare stemma's slowest
 round during the compiles, and its tok/s over all rounds, with each other config's (under
 `single` the idle gaps are outside every round, and each config runs until its graphs are judged).
 
     python benchmarks/compile_load.py [--workload single|batch] [--rounds 60] [--gap 2]
-                                      [--repeats 1] [--configs stemma ungated]
+                                      [--repeats 1] [--configs stemma python-gc ungated]
 
 Under `batch`, stemma's compile waits for idle time that never comes, so its engine stays eager
 for the whole run; the configs without the gate compile, and the graphs they keep would repay
@@ -43,16 +45,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batching import workload  # noqa: E402
 from common import CpuAudit, table  # noqa: E402
 
-CONFIGS = ("stemma", "ungated", "default-priority")
+CONFIGS = ("stemma", "python-gc", "ungated", "default-priority")
 STOP_STATES = ("kept", "dropped", "failed")
 AFTER = 3  # rounds run once every graph met is judged (single)
 
 
 def configure(name: str) -> None:
-    """`ungated`: the compile thread's Python runs beside the forwards (no compile gate), and the
-    row ops' trial is held by a step, as before the gate (an unpaced thread's trial would retake
-    every timing that a step's forward overlapped); `default-priority`: that, and the compile
-    thread at the process's own priority."""
+    """`stemma`: the engine process's garbage collection too (stemma.gc_pauses: its heap frozen
+    once loaded and after each run of compiles, at an idle moment, here the gap after a round;
+    no automatic full collection while a compile runs); `python-gc`: stemma without that,
+    Python's own collections (gc_freeze=false); `ungated`: that, and the compile thread's Python
+    runs beside the forwards (no compile gate), and the row ops' trial is held by a step, as
+    before the gate (an unpaced thread's trial would retake every timing that a step's forward
+    overlapped); `default-priority`: that, and the compile thread at the process's own
+    priority. Every config times its full collections (`gc` in each round's line)."""
     import contextlib
     from stemma.executor import compile_gate, compiled_decode, compiled_rows
     if name in ("ungated", "default-priority"):
@@ -86,23 +92,38 @@ def child(name: str, args) -> None:
     """One engine, up to `rounds` rounds; one JSON line per round on stdout."""
     configure(name)
     import stemma
+    from stemma.gc_pauses import GC_PAUSES
     engine = stemma.Engine(compile_decode="auto")
+    GC_PAUSES.watch()
+    if name == "stemma":
+        GC_PAUSES.enable()
     t0, after = time.monotonic(), None
     for r, (prompts, params) in zip(range(args.rounds), rounds_of(args.workload, args.requests, args.seed)):
         before = engine.stats()["compiled_decode_phase"]
+        full = GC_PAUSES.full, GC_PAUSES.full_s
         with CpuAudit() as audit:
             outs = engine.generate(prompts, params)
         stats = engine.stats()
+        gc_n, gc_s = GC_PAUSES.full - full[0], GC_PAUSES.full_s - full[1]  # full collections in the round
         print(json.dumps({"round": r, "at": time.monotonic() - t0, "tokens": sum(len(o.token_ids) for o in outs),
                           "seconds": audit.wall, "others": audit.foreign_cores, "before": before,
                           "phase": stats["compiled_decode_phase"], "one": stats["compiled_decode"],
-                          "batched": stats["compiled_decode_batched"]}), flush=True)
+                          "batched": stats["compiled_decode_batched"], "gc": gc_n, "gc_ms": 1e3 * gc_s}),
+              flush=True)
         if args.workload == "single":
             if after is None and settled(stats):
                 after = r
             if after is not None and r - after >= AFTER:
                 return
-            time.sleep(args.gap)
+            idle(args.gap, GC_PAUSES)
+
+
+def idle(seconds: float, pauses) -> None:
+    """The gap after a round, as the engine process's loop spends it: its idle hook every 0.25 s."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        pauses.idle()
+        time.sleep(min(0.25, max(left, 0.0)))
 
 
 def run_one(name: str, args) -> list[dict]:
@@ -117,7 +138,8 @@ def run_one(name: str, args) -> list[dict]:
             rounds.append(row)
             print(f"  {name:16s} round {row['round']:2d} at {row['at']:6.1f} s: {row['tokens'] / row['seconds']:7.1f} tok/s "
                   f"in {row['seconds']:6.2f} s  compile {row['before']} -> {row['phase']}; one request {row['one']}; "
-                  f"batches {row['batched'] or '-'}  other processes {row['others']:.2f} cores", file=sys.stderr, flush=True)
+                  f"batches {row['batched'] or '-'}  full GCs {row['gc']} ({row['gc_ms']:.0f} ms)  "
+                  f"other processes {row['others']:.2f} cores", file=sys.stderr, flush=True)
         if proc.wait() != 0:
             sys.exit(f"the {name} run failed (exit {proc.returncode})")
     return rounds
@@ -136,6 +158,8 @@ def summary(rounds: list[dict]) -> dict:
             "before": med(rounds[:first]), "during": med(during), "slowest": min(map(rate, during), default=float("nan")),
             "after": med(rounds[last + 1:]), "n_during": len(during), "span": span,
             "end": f"{rounds[-1]['phase']}; one {rounds[-1]['one']}; {rounds[-1]['batched'] or '-'}",
+            "gc": f"{sum(r['gc'] for r in rounds)} ({sum(r['gc_ms'] for r in rounds):.0f} ms, "
+                  f"most in a round {max(r['gc_ms'] for r in rounds):.0f})",
             "others": max(r["others"] for r in rounds)}
 
 
@@ -160,13 +184,13 @@ def main() -> None:
         for name in args.configs:
             results[name].append(summary(run_one(name, args)))
     rows = [[name, i + 1, s["overall"], s["n_during"], round(s["span"], 1), s["before"], s["during"], s["slowest"],
-             s["after"], s["end"], s["others"]] for name, runs in results.items() for i, s in enumerate(runs)]
+             s["after"], s["end"], s["gc"], s["others"]] for name, runs in results.items() for i, s in enumerate(runs)]
     what = ("one request at a time, 64-token prompts, 64 new tokens, then "
             f"{args.gap:g} s idle" if args.workload == "single"
             else f"{args.requests} requests a round (mixed-longtail), back to back")
     print(f"\n{what}; greedy; compile_decode=auto; default model; {os.cpu_count()} cores")
     print(table(["config", "run", "tok/s over all rounds", "rounds while compiling", "compiling s", "tok/s before", "tok/s while compiling",
-                 "slowest round tok/s", "tok/s after", "at the end", "other processes (cores)"], rows))
+                 "slowest round tok/s", "tok/s after", "at the end", "full GCs in rounds", "other processes (cores)"], rows))
     if "stemma" in results:
         for name in results:
             if name != "stemma":

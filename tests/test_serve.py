@@ -328,7 +328,9 @@ def test_runtime_starts_serves_cancels_and_stops(folder, engine, reference):
         outs = rt.client.generate("ka lo mi", sampled, rid="pair")
         assert [o.rid for o in outs] == ["pair-0", "pair-1"]
         assert [o.token_ids for o in outs] == [o.token_ids for o in engine.generate("ka lo mi", sampled)]
-        before = rt.client.info()["stats"]["generated_tokens"]
+        info = rt.client.info()["stats"]
+        assert info["gc_settles"] >= 1 and info["gc_frozen_objects"] > 0  # the engine froze its startup heap
+        before = info["generated_tokens"]
         stream = rt.client.stream([7, 8, 9], LONG)
         next(iter(stream))
         stream.close()  # the sync client cancels

@@ -40,6 +40,7 @@ from stemma.engine.cache_events import CacheEventLog
 from stemma.engine.cache_tree import cache_tree
 from stemma.engine.heap import HeapTrimmer
 from stemma.engine.request import Request
+from stemma.gc_pauses import GC_PAUSES
 from stemma.engine.output import request_output
 from stemma.text.publisher import Publisher
 
@@ -136,7 +137,7 @@ class EngineLoop:
 
     def info(self, rid: str, check_pool: bool = True) -> P.Info:
         engine = self.engine
-        stats = {**engine.stats(), "pid": os.getpid()}
+        stats = {**engine.stats(), **GC_PAUSES.stats(), "pid": os.getpid()}
         try:
             if check_pool:
                 engine.check_pool_whole()
@@ -234,10 +235,11 @@ class EngineLoop:
             if self.live and not ran:
                 self.take_in(self.doze_ms())  # doze, but wake on input
             self.flush()
-            if ran:  # after the flush: a trim never delays the tokens of the step before it
+            if ran:  # after the flush: a trim or a settle never delays the step's tokens
                 self.heap.worked()
             elif not self.live:
                 self.heap.idle()
+                GC_PAUSES.idle()
             self.beat()
 
 
@@ -274,6 +276,9 @@ def main(spec_json: str | None = None) -> int:
     requests = _connect(ctx, zmq.PULL, spec["requests"])
     outputs = _connect(ctx, zmq.PUSH, spec["outputs"])
     loop = EngineLoop(engine, requests, outputs, cache_events=bool(spec.get("cache_events")))
+    GC_PAUSES.watch()
+    if engine.config.gc_freeze:  # the model and its startup are long-lived: no collection scans them again
+        GC_PAUSES.enable()
     loop.send(P.EngineReady(model=str(engine.loaded.source), context_length=engine.runner.max_context,
                              vocab_size=engine.loaded.spec.vocab_size, pid=os.getpid(),
                              eos_token_ids=list(engine.eos_token_ids)))

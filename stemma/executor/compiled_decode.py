@@ -63,6 +63,7 @@ from stemma.attention.select import make_attention_backend
 from stemma.executor.compile_gate import GATE
 from stemma.executor.compiled_rows import CompiledRows
 from stemma.executor.trace_guard import compile_job, forwarding, install
+from stemma.gc_pauses import GC_PAUSES
 from stemma.cache.kv_pool import KVPool
 from stemma.executor.forward_batch import ForwardBatch
 from stemma.models.causal_lm import CausalLM
@@ -314,7 +315,8 @@ class CompiledDecode:
         # throughout (trace_guard): pacing it would stall the forwards that wait for it, and the
         # row ops' trial is left to a step
         paced = install()
-        with _SHORT_SWITCH, (GATE.paced() if paced else contextlib.nullcontext()):
+        # one run of compiles for stemma.gc_pauses: no settle between two of its jobs
+        with _SHORT_SWITCH, GC_PAUSES.compiling(), (GATE.paced() if paced else contextlib.nullcontext()):
             while True:
                 with self.lock:  # under the lock: a bucket queued after this starts the next thread
                     if self.failed or not self.queue:

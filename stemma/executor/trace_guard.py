@@ -27,6 +27,8 @@ import logging
 import threading
 from typing import Any, Callable, Iterator
 
+from stemma.gc_pauses import GC_PAUSES
+
 logger = logging.getLogger(__name__)
 
 GUARD = threading.RLock()     # (no wrappable patcher) compile jobs and forwards
@@ -91,8 +93,9 @@ def _on_thread(owner: int, new_fn: Callable, replaced: Callable) -> Callable:
 @contextlib.contextmanager
 def compile_job() -> Iterator[None]:
     """Held by a compile job, on whichever thread runs it. Where the trace windows cannot hold
-    GUARD (`install` False), the whole job holds it: the steps then wait for the compile."""
-    with COMPILES, (contextlib.nullcontext() if install() else GUARD):
+    GUARD (`install` False), the whole job holds it: the steps then wait for the compile. No
+    automatic full garbage collection runs meanwhile (`stemma.gc_pauses`, where enabled)."""
+    with COMPILES, GC_PAUSES.compiling(), (contextlib.nullcontext() if install() else GUARD):
         _local.jobs = getattr(_local, "jobs", 0) + 1
         try:
             yield

@@ -50,6 +50,7 @@ import zmq
 
 from stemma import protocol as P
 from stemma.serve.http.bridge import CLOSE, Bridge
+from stemma.gc_pauses import GC_PAUSES
 from stemma.log import check_level, configure as configure_logging
 from stemma.text.detokenizer import TextStream
 from stemma.text.tokenizer import encode_prompt, load_tokenizer, preload_tokenizers
@@ -806,6 +807,7 @@ def main(spec_json: str | None = None) -> int:
         gateway.open(ready)
         if gateway.http is not None:
             gateway.http.ready(ready, gateway.tokenizer)
+        GC_PAUSES.enable()  # its startup (the tokenizer, the HTTP app) is long-lived
         return gateway.run(lambda: stop["now"] or (http is not None and not http.alive()),
                            parent.orphaned)
     finally:

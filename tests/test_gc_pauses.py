@@ -1,0 +1,131 @@
+"""stemma.gc_pauses: settles freeze the long-lived heap, a compile defers the automatic full
+collection while it runs and is frozen at the next idle moment, and nothing changes until a
+process enables it."""
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from stemma.gc_pauses import DEFERRED, GcPauses
+
+
+@pytest.fixture(autouse=True)
+def collector():
+    """Each test leaves the collector as it found it: thresholds, nothing frozen."""
+    thresholds = gc.get_threshold()
+    assert gc.get_freeze_count() == 0
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)
+
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def tracked(obj) -> bool:
+    """Whether a collection would scan `obj` (the permanent generation is not listed)."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_nothing_changes_until_enabled():
+    pauses, before = GcPauses(), gc.get_threshold()
+    with pauses.compiling():
+        assert gc.get_threshold() == before
+    pauses.idle()
+    assert gc.get_freeze_count() == 0 and pauses.settles == 0
+
+
+def test_enable_freezes_what_lives_and_collects_what_does_not():
+    kept, dropped = [Cycle()], Cycle()
+    gone = weakref.ref(dropped)
+    del dropped
+    pauses = GcPauses()
+    pauses.enable()
+    assert gone() is None  # garbage is collected, not frozen
+    assert gc.get_freeze_count() > 0 and pauses.frozen > 0
+    assert not tracked(kept) and gc.is_tracked(kept)
+    assert pauses.settles == 1
+
+
+def test_a_compile_defers_full_collections_and_its_results_are_frozen_when_idle():
+    pauses, before = GcPauses(), gc.get_threshold()
+    pauses.enable()
+    with pauses.compiling():
+        assert gc.get_threshold() == (before[0], before[1], DEFERRED)
+        made = [Cycle() for _ in range(10)]
+    assert gc.get_threshold() == before  # Python's own again once no compile runs
+    assert pauses.pending and pauses.settles == 1 and tracked(made)
+    pauses.idle()
+    assert pauses.settles == 2 and not pauses.pending
+    assert not tracked(made)  # the compile's long-lived results are frozen
+    pauses.idle()
+    assert pauses.settles == 2  # nothing compiled since
+
+
+def test_no_settle_while_any_compile_runs():
+    pauses, before = GcPauses(), gc.get_threshold()
+    pauses.enable()
+    with pauses.compiling():
+        with pauses.compiling():  # a compile job inside the compile thread's run
+            pass
+        assert gc.get_threshold()[2] == DEFERRED
+        pauses.idle()
+        assert pauses.settles == 1
+    assert gc.get_threshold() == before
+    pauses.idle()
+    assert pauses.settles == 2
+
+
+def test_a_compile_on_another_thread_is_waited_for():
+    pauses = GcPauses()
+    pauses.enable()
+    inside, release = threading.Event(), threading.Event()
+
+    def compile_job():
+        with pauses.compiling():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=compile_job)
+    thread.start()
+    assert inside.wait(10)
+    pauses.idle()
+    assert pauses.settles == 1 and gc.get_threshold()[2] == DEFERRED
+    release.set()
+    thread.join(10)
+    pauses.idle()
+    assert pauses.settles == 2 and gc.get_threshold()[2] != DEFERRED
+
+
+def test_every_compile_job_defers_them(monkeypatch):
+    """The wiring: executor.trace_guard.compile_job, held by every compile (decode graphs and
+    row ops, background or in a step), holds the process's GC_PAUSES.compiling()."""
+    from stemma.executor.trace_guard import compile_job
+    from stemma.gc_pauses import GC_PAUSES
+    monkeypatch.setattr(GC_PAUSES, "enabled", True)
+    with compile_job():
+        assert gc.get_threshold()[2] == DEFERRED and GC_PAUSES.compiles == 1
+    assert GC_PAUSES.pending and gc.get_threshold()[2] != DEFERRED
+    GC_PAUSES.idle()
+    assert not GC_PAUSES.pending
+
+
+def test_watch_times_full_collections_settles_included():
+    pauses = GcPauses()
+    pauses.watch()
+    pauses.watch()  # once only
+    try:
+        gc.collect(1)
+        assert pauses.full == 0
+        gc.collect()
+        pauses.enable()
+        stats = pauses.stats()
+        assert pauses.full == 2 and stats["gc_full_collections"] == 2 and stats["gc_settles"] == 1
+        assert 0 < stats["gc_full_ms_max"] <= stats["gc_full_ms_total"]
+    finally:
+        gc.callbacks.remove(pauses._timed)
