@@ -1,7 +1,8 @@
 """Serving while the decode graphs compile in the background: stemma's compile (its Python held
-at the compile gate, its compiler processes at the lowest CPU priority, no automatic full garbage
-collection while it runs) against the same compile with Python's own garbage collection
-(`python-gc`), without the gate too (`ungated`), and without the low priority either.
+at the compile gate, its compiler processes at the lowest CPU priority, its results frozen out of
+the garbage collector's full collections at the next idle moment) against the same compile
+without that freeze (`python-gc`), without the gate too (`ungated`), and without the low
+priority either.
 
 Under `compile_decode=auto` an engine compiles one decode graph per bucket of batch sizes on a
 background thread once it has run 128 decode forwards (`executor/compiled_decode.py`), while its
@@ -52,13 +53,12 @@ AFTER = 3  # rounds run once every graph met is judged (single)
 
 def configure(name: str) -> None:
     """`stemma`: the engine process's garbage collection too (stemma.gc_pauses: its heap frozen
-    once loaded and after each run of compiles, at an idle moment, here the gap after a round;
-    no automatic full collection while a compile runs); `python-gc`: stemma without that,
-    Python's own collections (gc_freeze=false); `ungated`: that, and the compile thread's Python
-    runs beside the forwards (no compile gate), and the row ops' trial is held by a step, as
-    before the gate (an unpaced thread's trial would retake every timing that a step's forward
-    overlapped); `default-priority`: that, and the compile thread at the process's own
-    priority. Every config times its full collections (`gc` in each round's line)."""
+    once loaded and after each run of compiles, at an idle moment, here the gap after a round);
+    `python-gc`: stemma without that (gc_freeze=false); `ungated`: that, and the compile
+    thread's Python runs beside the forwards (no compile gate), and the row ops' trial is held
+    by a step, as before the gate (an unpaced thread's trial would retake every timing that a
+    step's forward overlapped); `default-priority`: that, and the compile thread at the
+    process's own priority. Every config times its full collections (`gc` in each round's line)."""
     import contextlib
     from stemma.executor import compile_gate, compiled_decode, compiled_rows
     if name in ("ungated", "default-priority"):

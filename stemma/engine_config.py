@@ -124,10 +124,9 @@ class EngineConfig:
                                            "the OS (glibc malloc_trim) at most this often while "
                                            "busy, and when it falls idle; 0: never "
                                            "(stemma.engine.heap)")
-    gc_freeze: bool = doc(True, "the engine process freezes its long-lived heap (gc.freeze) once "
-                                "ready and, at its next idle moment, after each run of compiles, "
-                                "and defers Python's full collections while a compile runs "
-                                "(stemma.gc_pauses); false: Python's own collections")
+    gc_freeze: bool = doc(True, "the engine process freezes its long-lived heap (gc.freeze: no "
+                                "full collection scans it again) once ready and, at its next "
+                                "idle moment, after each run of compiles (stemma.gc_pauses)")
 
     def __post_init__(self):
         def positive(name):

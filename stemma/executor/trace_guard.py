@@ -94,7 +94,7 @@ def _on_thread(owner: int, new_fn: Callable, replaced: Callable) -> Callable:
 def compile_job() -> Iterator[None]:
     """Held by a compile job, on whichever thread runs it. Where the trace windows cannot hold
     GUARD (`install` False), the whole job holds it: the steps then wait for the compile. No
-    automatic full garbage collection runs meanwhile (`stemma.gc_pauses`, where enabled)."""
+    heap freeze meanwhile; one at the next idle moment after it (`stemma.gc_pauses`)."""
     with COMPILES, GC_PAUSES.compiling(), (contextlib.nullcontext() if install() else GUARD):
         _local.jobs = getattr(_local, "jobs", 0) + 1
         try:
