@@ -81,7 +81,7 @@ class GcPauses:
         self.full_max_s = max(self.full_max_s, seconds)
 
     def enable(self) -> None:
-        """Takes over the full collections of this process, and settles now (it is ready)."""
+        """Settles now (the process is ready), and from now on after each run of compiles."""
         if not hasattr(gc, "freeze"):
             return
         self.enabled = True
