@@ -123,7 +123,7 @@ def idle(seconds: float, pauses) -> None:
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         pauses.idle()
-        time.sleep(min(0.25, max(left, 0.0)))
+        time.sleep(min(0.25, left))
 
 
 def run_one(name: str, args) -> list[dict]:

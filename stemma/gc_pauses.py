@@ -34,9 +34,6 @@ Invariants:
   at one of those few moments;
 - nothing changes until `enable()`: an engine in the caller's own process leaves its collector
   alone.
-
-CPython 3.11-3.13 (generational collector). On an interpreter without `gc.freeze` this does
-nothing.
 """
 from __future__ import annotations
 
@@ -82,8 +79,6 @@ class GcPauses:
 
     def enable(self) -> None:
         """Settles now (the process is ready), and from now on after each run of compiles."""
-        if not hasattr(gc, "freeze"):
-            return
         self.enabled = True
         with self.lock:
             self._settle()

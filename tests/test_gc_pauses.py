@@ -14,12 +14,10 @@ from stemma.gc_pauses import GcPauses
 
 @pytest.fixture(autouse=True)
 def collector():
-    """Each test leaves the collector as it found it: thresholds, nothing frozen."""
-    thresholds = gc.get_threshold()
+    """Each test leaves the collector as it found it: nothing frozen."""
     assert gc.get_freeze_count() == 0
     yield
     gc.unfreeze()
-    gc.set_threshold(*thresholds)
 
 
 class Cycle:
