@@ -9,6 +9,7 @@ import json
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from stemma.serve.http import chat, completions, errors, native
 from stemma.serve.http import generation as G
@@ -41,9 +42,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise ApiError(413, f"the request body is over {self.limit} bytes",
-                                   code="too_large")
+                if seen > self.limit:  # FastAPI's body parser passes only HTTPException on
+                    raise HTTPException(413, f"the request body is over {self.limit} bytes")
             return message
 
         await self.app(scope, limited, send)

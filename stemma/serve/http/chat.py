@@ -72,8 +72,8 @@ def render(state: HttpState, messages: list[dict[str, Any]], add_generation_prom
         raise bad_field("messages", "this model has no tokenizer, so it cannot chat")
     template = _template(tok)
     if template is PLAIN:
-        text = "".join(PLAIN.prefix(m["role"]) + m["content"] + PLAIN.suffix(m["role"])
-                       for m in messages if m["role"] in PLAIN.roles)
+        _check_plain(messages)
+        text = "".join(PLAIN.prefix(m["role"]) + m["content"] + PLAIN.suffix(m["role"]) for m in messages)
         if continue_final and messages and messages[-1]["role"] == "assistant":
             text = text[: len(text) - len(PLAIN.suffix("assistant"))]
         elif add_generation_prompt:
@@ -88,6 +88,18 @@ def render(state: HttpState, messages: list[dict[str, Any]], add_generation_prom
     bos = getattr(tok, "bos_token", None)
     ids = tok(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids
     return list(ids), template
+
+
+def _check_plain(messages: list[dict[str, Any]]) -> None:
+    """The plain fallback has system, user and assistant turns only: a turn it cannot render is
+    refused, never dropped from the prompt."""
+    for i, m in enumerate(messages):
+        if m["role"] not in PLAIN.roles:
+            raise bad_field(f"messages.{i}.role", f"this model has no chat template, and the plain "
+                            f"fallback renders system, user and assistant turns only, not {m['role']!r}")
+        if m.get("tool_calls"):
+            raise bad_field(f"messages.{i}.tool_calls", "this model has no chat template, and the plain "
+                            "fallback cannot render an assistant turn's tool calls")
 
 
 def stops_of(req: ChatCompletionRequest, template: ChatTemplate) -> tuple[list[str], list[int]]:

@@ -80,7 +80,8 @@ def install(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "error"
         if exc.status_code == 404:
             message = "no such route" if message == "Not Found" else message
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+        code = "too_large" if exc.status_code == 413 else None  # a chunked body past the limit
+        return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientGone)
