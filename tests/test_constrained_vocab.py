@@ -82,3 +82,30 @@ def test_wordpiece_decoder_is_refused_by_name(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(save_tiny_tokenizer(tmp_path)), local_files_only=True)
     with pytest.raises(ValueError, match="WordPiece"):
         build_vocab(tok, 96)
+
+
+SPLIT = "\U00013000\U00013001 \U0001F600 caf\u00e9"  # hieroglyphs and an emoji: a token a byte each
+
+
+@pytest.mark.parametrize("which", ["gemma", "bytelevel"])
+def test_token_bytes_join_up_where_single_tokens_decode_to_replacement_chars(which, gemma_tokenizer, bytelevel):
+    """What a chat logprobs entry's `bytes` holds (stemma.serve.http): the token's own bytes, which
+    join back into the text; decoded alone, a piece of a character is U+FFFD."""
+    from stemma.text.token_bytes import TokenBytes
+    tok = gemma_tokenizer if which == "gemma" else bytelevel[0]
+    ids = tok.encode(SPLIT, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # the case the bytes are for
+    token_bytes = TokenBytes(tok)
+    assert b"".join(token_bytes(i) for i in ids) == SPLIT.encode("utf-8")
+    special = tok.eos_token_id
+    assert token_bytes(special) == tok.decode([special]).encode()  # no byte form: its text
+
+
+def test_token_bytes_fall_back_to_text_under_a_decoder_without_byte_form(tmp_path):
+    from transformers import AutoTokenizer
+
+    from stemma.text.token_bytes import TokenBytes
+    tok = AutoTokenizer.from_pretrained(str(save_tiny_tokenizer(tmp_path)), local_files_only=True)
+    token_bytes = TokenBytes(tok)
+    assert token_bytes.scheme is None
+    assert [token_bytes(i) for i in range(10)] == [tok.decode([i]).encode() for i in range(10)]

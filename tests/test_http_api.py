@@ -175,6 +175,8 @@ def test_chat_stream_n2_logprobs_and_usage(client):
     assert len(content) == plain.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
                for t in content)
+    joined = b"".join(bytes(t.bytes) for t in content)  # each token's own bytes (not its text's)
+    assert joined.decode("utf-8", "replace") == plain.choices[0].message.content
     chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, stream=True,
                                                  stream_options={"include_usage": True}, **greedy(8)))
     *body, last = chunks

@@ -11,8 +11,9 @@ Constraints match text, so every token must be known as the exact bytes it adds 
   complete.
 
 outlines-core's own builder gets Gemma wrong under transformers 5 (it doubles spaces and keeps
-`<bos>` as text); this one reads the tokenizer's decoder to know which scheme applies. Decoders
-that insert text between tokens (WordPiece, CTC) cannot be mapped and are refused.
+`<bos>` as text); this one reads the tokenizer's decoder to know which scheme applies
+(stemma.text.token_bytes). Decoders that insert text between tokens (WordPiece, CTC) cannot be
+mapped and are refused.
 
 A decoder that strips the first leading space (Metaspace with prepend_scheme, Strip) decodes a
 leading space of the output away; the constraint still holds on the token bytes.
@@ -20,82 +21,18 @@ leading space of the output away; the constraint still holds on the token bytes.
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
+from stemma.text.token_bytes import gpt2_byte_decoder, scheme_of
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Special tokens that end a turn or a document; the model may emit them where it is done.
 _END_TOKEN_NAMES = ("<eos>", "</s>", "<end_of_turn>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>",
                     "<|end|>", "<|end_of_text|>")
-_UNMAPPABLE_DECODERS = ("WordPiece", "CTC", "BPEDecoder")
-
-
-def gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's ByteLevel alphabet, inverted: printable Latin-1 bytes stand for themselves, the other
-    bytes for the code points from 256 up, in byte order."""
-    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in kept}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return {char: b for b, char in table.items()}
-
-
-@dataclass(frozen=True)
-class DecoderScheme:
-    """How a tokenizer's token strings become bytes."""
-    byte_level: bool         # GPT-2 ByteLevel
-    byte_fallback: bool      # <0xHH> tokens are raw bytes
-    space_marker: str | None  # the SentencePiece word marker (▁) that decodes to a space
-
-    @classmethod
-    def of(cls, decoder: dict | None, model_byte_fallback: bool) -> "DecoderScheme":
-        steps = _flatten(decoder)
-        kinds = {step.get("type") for step in steps}
-        bad = sorted(kinds & set(_UNMAPPABLE_DECODERS))
-        if bad:
-            raise ValueError(f"constrained decoding cannot map tokens to bytes under a {bad[0]} "
-                             "decoder (it inserts text between tokens)")
-        marker = None
-        for step in steps:
-            if step.get("type") == "Metaspace":
-                marker = step.get("replacement", "▁")
-            elif step.get("type") == "Replace" and step.get("content") == " ":
-                marker = step.get("pattern", {}).get("String", marker)
-        return cls(byte_level="ByteLevel" in kinds,
-                   byte_fallback="ByteFallback" in kinds or model_byte_fallback,
-                   space_marker=marker)
-
-    def token_bytes(self, piece: str, byte_decoder: dict[str, int]) -> bytes | None:
-        """The bytes of a model-vocabulary token string, or None when it has no byte form."""
-        if self.byte_level:
-            try:
-                return bytes(byte_decoder[c] for c in piece)
-            except KeyError:
-                return None
-        if self.byte_fallback:
-            match = _BYTE_TOKEN.fullmatch(piece)
-            if match:
-                return bytes([int(match.group(1), 16)])
-        if self.space_marker:
-            piece = piece.replace(self.space_marker, " ")
-        return piece.encode("utf-8")
-
-
-def _flatten(decoder: dict | None) -> list[dict]:
-    if not decoder:
-        return []
-    if decoder.get("type") == "Sequence":
-        return [step for inner in decoder.get("decoders", []) for step in _flatten(inner)]
-    return [decoder]
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,8 +94,7 @@ def build_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int,
     if backend is None:
         raise ValueError("constrained decoding needs a tokenizers-backed (fast) tokenizer, got "
                          f"{type(tokenizer).__name__}")
-    decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else None
-    scheme = DecoderScheme.of(decoder, bool(getattr(backend.model, "byte_fallback", False)))
+    scheme = scheme_of(backend)
     byte_decoder = gpt2_byte_decoder()
     pieces: list[bytes | None] = [None] * vocab_size
     for piece, token_id in backend.get_vocab(with_added_tokens=False).items():

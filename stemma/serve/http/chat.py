@@ -139,8 +139,11 @@ def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], templat
 
 def _logprobs(state: HttpState, ids: list[int], logprobs, tops) -> dict:
     def entry(token: int, lp: float) -> dict:
+        # `token` decoded alone (U+FFFD for a piece of a character, as vLLM gives it); `bytes`
+        # the token's own, so that a character split over tokens joins back up from them
         text = G.token_text(state.tokenizer, token)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        raw = state.token_bytes(token) if state.token_bytes is not None else text.encode()
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
 
     content = []
     for i, token in enumerate(ids):

@@ -24,6 +24,7 @@ from stemma import protocol as P
 from stemma.serve.http.bridge import Bridge
 from stemma.serve.http.errors import ApiError, unavailable
 from stemma.serve.metrics import Metrics
+from stemma.text.token_bytes import TokenBytes
 
 logger = logging.getLogger("stemma.serve.http")
 HISTORY_SAMPLES = 600      # one a second: the last ten minutes
@@ -95,6 +96,7 @@ class HttpState:
         self.history: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(
             maxlen=HISTORY_SAMPLES)
         self.tokenizer: Any = None
+        self.token_bytes: TokenBytes | None = None
         self.engine: P.EngineReady | None = None
         self.model_id = ""
         self.down: tuple[str, str] | None = None  # (stemma error code, why) while it does not serve
@@ -104,6 +106,7 @@ class HttpState:
     # ---- set by the gateway thread ----
     def ready(self, engine: P.EngineReady, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer) if tokenizer is not None else None
         self.model_id = model_id_of(engine.model, self.served_name)
         self.engine = engine  # routes take `engine is not None and down is None` as ready
         self.down = None
