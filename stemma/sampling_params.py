@@ -23,6 +23,16 @@ INT_LIMIT = 2**63  # every int option and token id is below it: the wire's ints 
                    # int64 tensors (seeds) hold 64 bits
 
 
+
+class ParamError(ValueError):
+    """A request refused for one of its fields: `param` is a SamplingParams field, or "prompt".
+    The engine's reply carries it (ErrorMsg.param), so an HTTP error names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -292,6 +292,13 @@ def test_errors_are_openai_error_objects(server):
     assert_error(http(server, "POST", "/v1/completions", json={**ok, "regex": "a+", "guided_regex": "b+"}),
                  400, "guided_regex")
     assert_error(http(server, "POST", "/v1/completions", json={"model": "tiny"}), 400, "prompt")
+    # refused by the engine, not the HTTP layer: its reply names the field (protocol version 5)
+    for extra, param in (({"logit_bias": {"999999": 1}}, "logit_bias"), ({"regex": "[0-9"}, "regex"),
+                         ({"guided_regex": "[0-9"}, "guided_regex"), ({"stop": ["s%d" % i for i in range(65)]}, "stop"),
+                         ({"response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+                          "response_format")):
+        assert_error(http(server, "POST", "/v1/completions", json={**ok, **extra}), 400, param)
     assert_error(http(server, "POST", "/v1/completions", content=b"{not json",
                       headers={"Content-Type": "application/json"}), 400)
     assert_error(http(server, "POST", "/v1/completions", json={**ok, "prompt": "x" * (2 * BODY_LIMIT)}), 413)

@@ -22,6 +22,7 @@ EXAMPLES = [
     P.Finished(rid="a", token_ids=[4, 5], text="xy", finish_reason="stop", prompt_logprobs=[None, -1.5],
                meta={"ttft": None, "latency": 0.25, "prompt_tokens": 3}),
     P.ErrorMsg(rid="", code=P.BAD_REQUEST, message="no"),
+    P.ErrorMsg(rid="r", code=P.BAD_REQUEST, message="logit_bias holds token ids outside [0, 96)", param="logit_bias"),
     P.FlushDone(rid="f", ok=False),
     P.Info(rid="i", model="m", context_length=2048, vocab_size=96, stats={"pool_whole": True}),
     P.CacheTree(rid="t", nodes=[{"id": 1, "parent": None, "tokens": [3, 4], "depth": 2, "size": 2,
@@ -139,3 +140,14 @@ def test_sampling_params_travel_without_their_defaults():
     set_ = P.GenerateReq(rid="r", input_ids=[1], params=SamplingParams(temperature=0.0, stop=["\n"]))
     assert to_wire(set_)["params"] == {"temperature": 0.0, "stop": ["\n"]}
     assert P.decode(P.encode(set_)) == set_ and P.decode(P.encode(plain)) == plain
+
+
+def test_an_error_names_its_field_from_version_5_only():
+    """ErrorMsg.param (version 5): written at version 5 when set, at version 1 otherwise, and a
+    message that claims an older version may not carry it."""
+    assert P.ErrorMsg(rid="r", code=P.BAD_REQUEST, message="no").wire_version() == 1
+    assert P.ErrorMsg(rid="r", code=P.BAD_REQUEST, message="no", param="stop").wire_version() == 5
+    old = msgpack.packb({"type": "error", "version": 4, "rid": "r", "code": P.BAD_REQUEST, "message": "no",
+                         "param": "stop"})
+    with pytest.raises(P.ProtocolError, match="needs protocol version 5"):
+        P.decode(old)

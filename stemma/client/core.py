@@ -52,12 +52,14 @@ Op = Generator[Wait, P.Message, Any]
 
 
 class ServerError(RuntimeError):
-    """The server refused or failed a request; `code` is one of protocol's error codes."""
+    """The server refused or failed a request; `code` is one of protocol's error codes, `param`
+    the request field it was refused for, where the server names one."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.param = param
 
 
 class RequestTimeout(ServerError, TimeoutError):
@@ -268,7 +270,7 @@ def to_output(msg: P.Finished, n: int) -> RequestOutput:
 
 def raise_if_error(msg: P.Message) -> P.Message:
     if isinstance(msg, P.ErrorMsg):
-        raise ServerError(msg.code, msg.message)
+        raise ServerError(msg.code, msg.message, msg.param)
     return msg
 
 

@@ -87,9 +87,9 @@ def output_from(data: dict[str, Any]) -> RequestOutput:
 def error_of(status: int | None, error: Any) -> ServerError:
     """The ServerError of an `{"error": {"message", "type", "param", "code"}}` object: its code
     when that is one of stemma's, else the one of the HTTP status (or of the error's type)."""
-    message, code, kind = None, None, None
+    message, code, kind, param = None, None, None, None
     if isinstance(error, dict):
-        message, code, kind = error.get("message"), error.get("code"), error.get("type")
+        message, code, kind, param = error.get("message"), error.get("code"), error.get("type"), error.get("param")
     elif error is not None:
         message = str(error)
     if code not in _CODES:
@@ -97,7 +97,10 @@ def error_of(status: int | None, error: Any) -> ServerError:
             status = code
         fallback = P.INTERNAL if status is None or status >= 500 else P.BAD_REQUEST
         code = _STATUS_CODES.get(status) or _TYPE_CODES.get(kind) or fallback
-    return ServerError(code, str(message) if message else f"HTTP {status}")
+    if isinstance(param, str):  # as the ZeroMQ client names it: the SamplingParams field
+        param = param.removeprefix("sampling_params.")
+    return ServerError(code, str(message) if message else f"HTTP {status}",
+                       param if isinstance(param, str) else None)
 
 
 def status_error(status: int, content: bytes) -> ServerError:

@@ -30,7 +30,7 @@ from stemma.outputs import RequestOutput
 from stemma.program_call import ProgramCall
 from stemma.sampling.sampler import Sampler
 from stemma.sampling.seeded_noise import sibling_seed
-from stemma.sampling_params import SamplingParams
+from stemma.sampling_params import ParamError, SamplingParams
 from stemma.speculative.speculation import make_speculation
 from stemma.text.detokenizer import TextStream
 from stemma.text.publisher import Publisher
@@ -152,16 +152,16 @@ class Engine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+                raise ParamError("prompt", "this model has no tokenizer; pass token ids instead of text")
             ids = self.tokenizer(prompt).input_ids
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError("prompt must hold at least one token")
+            raise ParamError("prompt", "prompt must hold at least one token")
         vocab = self.loaded.spec.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")
+            raise ParamError("prompt", f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")
         return ids
 
     def check_token_ids(self, params: SamplingParams) -> None:
@@ -171,7 +171,7 @@ class Engine:
                           ("logit_bias", [t for t, _ in params.logit_bias])):
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise ValueError(f"{name} holds token ids outside [0, {vocab}): {bad[:5]}")
+                raise ParamError(name, f"{name} holds token ids outside [0, {vocab}): {bad[:5]}")
 
     def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None, *,
                rid: str | None = None, salt: str | None = None,

@@ -128,7 +128,8 @@ class EngineLoop:
             reqs = self.engine.submit(prompt, msg.params, rid=msg.rid, salt=msg.salt, call=msg.call)
         except ValueError as exc:
             logger.debug("request %s rejected: %s", msg.rid, exc)
-            self.outbox.append(P.ErrorMsg(rid=msg.rid, code=P.BAD_REQUEST, message=str(exc)))
+            self.outbox.append(P.ErrorMsg(rid=msg.rid, code=P.BAD_REQUEST, message=str(exc),
+                                          param=getattr(exc, "param", None)))
             return
         self.groups[msg.rid] = [r.rid for r in reqs]
         logger.debug("request %s taken in: %d sequences", msg.rid, len(reqs))

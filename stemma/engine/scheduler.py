@@ -52,6 +52,7 @@ from stemma.engine.retraction import Retraction
 from stemma.engine.slo import MIN_CHUNK, Slo, victims
 from stemma.engine.step_cost import StepCost, StepShape
 from stemma.engine.stop import StopRule
+from stemma.sampling_params import ParamError
 from stemma.speculative.verify import accepted
 
 if TYPE_CHECKING:
@@ -104,14 +105,22 @@ class Scheduler:
         """What `add` needs of params' constraint (None: unconstrained), compiled once to prove it
         sound: a ValueError naming the field when it is not. A compile that outlasts the check
         window is a Future, and a second check would queue behind it, so siblings share one."""
-        return self.constrainer.check(params) if params.is_constrained else None
+        if not params.is_constrained:
+            return None
+        try:
+            return self.constrainer.check(params)
+        except ParamError:
+            raise
+        except ValueError as exc:  # one constraint per request: the error is that field's
+            field = "regex" if params.regex is not None else "json_schema" if params.json_schema is not None else "grammar"
+            raise ParamError(field, str(exc)) from None
 
     def add(self, req: Request, checked: ConstraintSpec | Future | None | object = UNCHECKED) -> None:
         """Queues req; a ValueError (too long, or a bad regex/json_schema/grammar) queues nothing.
         `checked`: what `check` gave for req.params' constraint, when the caller checked it."""
         if len(req.tokens) >= self.max_context:
-            raise ValueError(f"prompt of {len(req.tokens)} tokens does not fit the context of "
-                             f"{self.max_context} tokens")
+            raise ParamError("prompt", f"prompt of {len(req.tokens)} tokens does not fit the context of "
+                                       f"{self.max_context} tokens")
         spec = self.check(req.params) if checked is UNCHECKED else checked
         req.state = ReqState.WAITING
         if spec is None:

@@ -9,7 +9,8 @@ between the gateway and the engine, as the body alone.
 
 Versions: version 2 added the program context (GenerateReq.call, EndProgram); version 3 the
 replicas' cache events (CacheEvents, engine -> gateway only); version 4 the model's EOS ids
-(EngineReady.eos_token_ids, engine -> gateway only). This side reads
+(EngineReady.eos_token_ids, engine -> gateway only); version 5 the field a request was refused
+for (ErrorMsg.param). This side reads
 versions MIN_PROTOCOL_VERSION to PROTOCOL_VERSION and refuses a message or field newer than the
 version it claims. It writes each message at the lowest version that carries it
 (`wire_version`), without the newer fields it leaves unset, so a side that speaks only version 1
@@ -28,7 +29,7 @@ from stemma.sampling_params import SamplingParams
 
 __all__ = ['PROTOCOL_VERSION', 'MIN_PROTOCOL_VERSION', 'DEFAULT_MAX_FRAME_BYTES', 'MAX_ID_CHARS', 'BAD_REQUEST', 'TOO_LARGE', 'UNAUTHORIZED', 'ENGINE_DEAD', 'SHUTTING_DOWN', 'OVERLOADED', 'CUT_OFF', 'INTERNAL', 'ProtocolError', 'Message', 'GenerateReq', 'Abort', 'EndProgram', 'FlushCache', 'GetInfo', 'GetCacheTree', 'Health', 'TokenChunk', 'Finished', 'ErrorMsg', 'FlushDone', 'Info', 'CacheTree', 'HealthOk', 'EngineReady', 'Heartbeat', 'CacheEvents', 'Batch', 'CLIENT_REQUESTS']
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MIN_PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
 MAX_ID_CHARS = 256
@@ -216,11 +217,14 @@ _OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.na
 
 @dataclass(frozen=True, kw_only=True)
 class ErrorMsg(Message):
-    """A request failed. `rid` is empty when the failing frame's id could not be read."""
+    """A request failed. `rid` is empty when the failing frame's id could not be read. `param`
+    (version 5): the request field it was refused for, a SamplingParams field or "prompt"."""
     TAG: ClassVar[str] = "error"
+    FIELDS_SINCE: ClassVar[dict[str, int]] = {"param": 5}
     rid: str
     code: str
     message: str
+    param: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

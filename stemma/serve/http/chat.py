@@ -19,7 +19,7 @@ from stemma.lang.codec import HFCodec
 from stemma.serve.http import generation as G
 from stemma.serve.http.errors import ApiError, bad_field
 from stemma.serve.http.openai_models import ChatCompletionRequest, ChatMessage
-from stemma.serve.http.sampling import check_model, has_constraint, params_of
+from stemma.serve.http.sampling import check_model, constraint_field, has_constraint, params_of
 from stemma.serve.http.state import HttpState
 from stemma.serve.http.tools import ForcedTools, forced_tools
 
@@ -134,7 +134,7 @@ def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], templat
         extra["json_schema"] = forced.schema
     params = params_of(req, G.max_tokens_for(state, prompts, requested, field_name), **extra)
     return G.start(state, prompts, params, req.stream, call=req.program_call,
-                   constraint=None if forced is None else "tool_choice")
+                   constraint=constraint_field(req) if forced is None else "tool_choice")
 
 
 def _logprobs(state: HttpState, ids: list[int], logprobs, tops) -> dict:

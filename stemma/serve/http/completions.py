@@ -15,7 +15,7 @@ from stemma import protocol as P
 from stemma.serve.http import generation as G
 from stemma.serve.http.errors import ApiError, bad_field
 from stemma.serve.http.openai_models import CompletionRequest
-from stemma.serve.http.sampling import check_model, params_of
+from stemma.serve.http.sampling import check_model, constraint_field, params_of
 from stemma.serve.http.state import HttpState
 
 
@@ -111,7 +111,7 @@ def _start(state: HttpState, req: CompletionRequest, prompts: list[G.Prompt]) ->
         if req.echo and not req.stream:  # a streamed echo is the prompt's text alone
             extra["logprob_start"] = 0
     params = params_of(req, G.max_tokens_for(state, prompts, req.max_tokens), **extra)
-    return G.start(state, prompts, params, req.stream, call=req.program_call)
+    return G.start(state, prompts, params, req.stream, call=req.program_call, constraint=constraint_field(req))
 
 
 async def create(state: HttpState, req: CompletionRequest, request: Request):

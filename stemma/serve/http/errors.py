@@ -49,9 +49,10 @@ def bad_field(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
-def from_server(msg: P.ErrorMsg) -> ApiError:
-    """A protocol error reply as an HTTP error; its stemma code is kept as the error's code."""
-    return ApiError(STATUS_OF_CODE.get(msg.code, 500), msg.message, code=msg.code)
+def from_server(msg: P.ErrorMsg, param: str | None = None) -> ApiError:
+    """A protocol error reply as an HTTP error; its stemma code is kept as the error's code.
+    `param`: the HTTP request's field that `msg.param` names."""
+    return ApiError(STATUS_OF_CODE.get(msg.code, 500), msg.message, param=param, code=msg.code)
 
 
 def _field_of(loc) -> str:

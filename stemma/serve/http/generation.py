@@ -44,6 +44,7 @@ class Run:
     rids: dict[str, int] = field(default_factory=dict)   # rid -> prompt index
     early: list[P.Message] = field(default_factory=list)  # replies read before the stream began
     constraint: str | None = None   # the request field a failed constraint is reported under
+    native: bool = False            # /generate: its fields are SamplingParams' own, under sampling_params
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: secrets.token_hex(12))
 
@@ -67,7 +68,7 @@ def program_call(data: dict[str, Any] | None) -> ProgramCall | None:
 
 def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, stream: bool,
           program: str | None = None, call: dict[str, Any] | None = None, salt: str | None = None,
-          constraint: str | None = None) -> Run:
+          constraint: str | None = None, native: bool = False) -> Run:
     """Sends the run's requests. `constraint`: the field a constraint that fails to build is
     reported under, when not the one `params` names (a forced tool call's schema: tool_choice)."""
     checked = program_call(call)
@@ -77,7 +78,7 @@ def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, strea
             raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
                             f"the prompt has {len(prompt.ids)} tokens; with max_tokens "
                             f"{params.max_new_tokens} it does not fit the context of {limit} tokens")
-    run = Run(state.open(), prompts, params, stream, constraint=constraint)
+    run = Run(state.open(), prompts, params, stream, constraint=constraint, native=native)
     for i, prompt in enumerate(prompts):
         rid = state.new_rid()
         run.rids[rid] = i
@@ -103,15 +104,27 @@ def _raise_for(run: Run, msg: P.Message) -> None:
     """The ApiError of an error reply: the engine refused a request, or its constraint failed to
     build."""
     if isinstance(msg, P.ErrorMsg):
-        raise from_server(msg)
+        raise from_server(msg, _http_field(run, msg.param))
     if isinstance(msg, P.Finished) and msg.finish_reason == "error":
-        raise bad_field(run.constraint or _constraint_field(run.params), msg.meta.get("error", "the request failed"))
+        raise bad_field(_http_field(run, _constraint_field(run.params)), msg.meta.get("error", "the request failed"))
+
+
+def _http_field(run: Run, param: str | None) -> str | None:
+    """The request field that the engine's refusal names (`param`: a SamplingParams field or
+    "prompt"): the OpenAI routes' name for it, or /generate's."""
+    if param is None:
+        return None
+    if run.native:
+        return "text" if param == "prompt" else f"sampling_params.{param}"
+    if param in ("regex", "json_schema", "grammar"):
+        return run.constraint or ("response_format" if param == "json_schema" else param)
+    return {"max_new_tokens": "max_tokens", "logprob_start": "echo"}.get(param, param)
 
 
 def _constraint_field(params: SamplingParams) -> str:
     if params.regex is not None:
         return "regex"
-    return "ebnf" if params.grammar is not None else "response_format"
+    return "grammar" if params.grammar is not None else "json_schema"
 
 
 async def finished(run: Run) -> list[P.Finished]:

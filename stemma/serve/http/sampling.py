@@ -60,6 +60,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+def constraint_field(req: SamplingFields) -> str | None:
+    """The request field that carries its constraint (what a refusal of it names), if any."""
+    for name in ("regex", "json_schema", "ebnf", "grammar", *(name for name, _ in GUIDED)):
+        if getattr(req, name, None) is not None:
+            return name
+    return "response_format" if req.response_format is not None and req.response_format.type != "text" else None
+
+
 def has_constraint(req: SamplingFields) -> bool:
     """Whether the request constrains its output (response_format, regex, guided_*, ...)."""
     return req.regex is not None or bool(_constraint(req))
