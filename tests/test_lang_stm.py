@@ -76,6 +76,9 @@ def test_values(source, value):
     ("{/foo}", (1, 1), "closes no block"),
     ("{user x}{/user}", (1, 1), "takes no arguments"),
     ("{gen a stop=[1]}", (1, 1), "stop must hold non-empty strings"),
+    # an argument passes to run() by name: one that run() takes for itself could never be given
+    ("Q: {temperature}{gen a}", (1, 4), "run() takes 'temperature' for itself (a sampling option)"),
+    ("x\n {stream}", (2, 2), "run() takes 'stream' for itself (reserved)"),
 ])
 def test_syntax_errors_report_line_and_column(source, where, message):
     with pytest.raises(stemma.StmSyntaxError) as info:
@@ -100,6 +103,13 @@ def test_unknown_variable_and_extra_variable():
         program.run(question="q", backend=MockBackend())
     with pytest.raises(TypeError, match="has no variable 'qestion'"):
         stemma.compile_text("{question}{gen a}").run(question="q", qestion="x", backend=MockBackend())
+
+
+def test_a_variable_read_after_the_program_generates_it_is_what_it_generated():
+    """{x} before {gen x} is the argument; after it, the generated value (as s["x"] in Python)."""
+    state = stemma.compile_text("Q: {x}\nA:{gen x max_tokens=4}\nAgain: {x}").run(x="ARG", backend=MockBackend())
+    assert state["x"] != "ARG" and state.text() == f"Q: ARG\nA:{state['x']}\nAgain: {state['x']}"
+    stemma.compile_text("{gen temperature} {temperature}")  # generated only: never passed to run()
 
 
 def test_text_and_python_programs_run_the_same_calls():

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeAlias
 
 from stemma.lang.errors import StmSyntaxError, UnknownVariable
 from stemma.lang.escapes import unescape
-from stemma.lang.function import Function
+from stemma.lang.function import RESERVED, Function
 from stemma.lang.ir import ROLES, Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, Where
+from stemma.lang.options import is_option
 from stemma.lang.primitives import gen, select
 from stemma.lang.tracer import Placeholder
 
@@ -286,10 +287,25 @@ class TextFunction(Function):
         self.nodes = nodes
         self.source = source
         self.arguments = arguments(nodes)
+        for var, where in self.arguments.items():  # run() takes these names for itself
+            if var in RESERVED or is_option(var):
+                raise StmSyntaxError(f"variable {{{var}}} is read before it is generated, so it is "
+                                     f"passed to run() by name, and run() takes {var!r} for itself "
+                                     f"({'reserved' if var in RESERVED else 'a sampling option'}): "
+                                     f"rename it", where or Where(1, 1, name))
+        # the {x} that read an argument: those before the program generates x (later ones read
+        # what it generated)
+        reads = set()
+        generated: set[str] = set()
+        for i, node in enumerate(nodes):
+            if isinstance(node, VarRef) and node.name in self.arguments and node.name not in generated:
+                reads.add(i)
+            elif isinstance(node, (Gen, Select)) and node.name:
+                generated.add(node.name)
 
         def body(s, **args):
-            for node in nodes:
-                if isinstance(node, VarRef) and node.name in args:
+            for i, node in enumerate(nodes):
+                if i in reads:
                     node = Text(str(args[node.name]))
                 s += node
         super().__init__(body, name)
