@@ -154,3 +154,22 @@ def test_an_unwritable_history_file_falls_back_to_memory(tmp_path):
     from stemma.lang.repl import _writable
     assert _writable(str(tmp_path / "history"))
     assert not _writable(str(tmp_path / "no" / "such" / "dir" / "history"))
+
+
+@pytest.mark.parametrize("how", ["file", "pipe"])
+def test_inputs_from_a_file_or_a_pipe_run_each_echoed_after_its_prompt(tmp_path, how):
+    """A stdin that is no terminal is read line by line (prompt_toolkit read EOF at once from a
+    file: nothing ran, and the exit status was 0)."""
+    inputs = tmp_path / "inputs.txt"
+    inputs.write_text("The capital of France is\nmulti \\\nline\n:vars\n")
+    argv = [sys.executable, "-m", "stemma", "repl", "--backend", "mock", "--history", ""]
+    with open(inputs) as f:
+        out = subprocess.run(argv, stdin=f if how == "file" else None,
+                             input=None if how == "file" else inputs.read_text(),
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    first = lines.index("stemma> The capital of France is")
+    assert lines[first + 1].strip()  # its continuation
+    assert "stemma> multi \\" in lines and "....... line" in lines
+    assert any(line.startswith("_ = ") for line in lines)  # :vars ran

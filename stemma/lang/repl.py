@@ -15,6 +15,7 @@ made on a background thread (`load_in_background`), and the first input waits fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -203,17 +204,42 @@ def run_repl(make_backend: Callable[[], Backend], sampling: dict[str, Any] | Non
         print(f"stemma: warning: cannot write the history file {path}; this session's history is "
               "kept in memory only", file=sys.stderr)
         path = None
-    session = PromptSession(history=FileHistory(path) if path else InMemoryHistory())
+    interactive = sys.stdin.isatty()
+    session = (PromptSession(history=FileHistory(path) if path else InMemoryHistory()) if interactive
+               else LineInput(sys.stdin))
     print(BANNER, flush=True)
-    repl = Repl(load_in_background(make_backend, lambda line: print(line, flush=True)), sampling)
+    repl = Repl(load_in_background(make_backend, _say), sampling)
     if repl.loading:
         repl.write("loading the model in the background (up to a minute the first time); you "
                    "can type now: your first input runs once it is ready\n")
     try:
-        with patch_stdout(raw=True):  # the loader's "model ready" line prints above the prompt
+        # the loader's "model ready" line prints above the prompt
+        with patch_stdout(raw=True) if interactive else contextlib.nullcontext():
             return _loop(repl, session)
     finally:
         repl.close()
+
+
+class LineInput:
+    """Inputs read from a stdin that is no terminal (a file, a pipe), each echoed after its
+    prompt as a terminal would show it: prompt_toolkit reads EOF at once from a regular file."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def prompt(self, text: str) -> str:
+        line = self.stream.readline()
+        if not line:
+            raise EOFError
+        line = line.rstrip("\r\n")
+        _say(text + line)
+        return line
+
+
+def _say(line: str) -> None:
+    """One line in one write: print() writes its end apart, and the loader's thread prints too."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _writable(path: str) -> bool:
