@@ -259,6 +259,18 @@ def test_streaming_sync_and_async(mock):
     assert joined == text == state.text()
 
 
+def test_a_streamed_run_s_variable_read_before_its_text_waits_for_it(mock):
+    """The body of a streamed run goes as its text is read: a read from outside that comes
+    first waits for the variable (it was VariableNotGenerated, and `in` False), as on SGLang,
+    and the text stays there to iterate."""
+    plain = qa.run(question="why", backend=mock)
+    state = qa.run(question="why", backend=mock, stream=True)
+    assert state["answer"] == plain["answer"] and "sure" in state
+    assert "".join(state.text_iter()) == plain.text()
+    with pytest.raises(stemma.VariableNotGenerated):
+        qa.run(question="why", backend=mock, stream=True)["never"]
+
+
 def test_roles_and_messages(mock):
     @stemma.function
     def chat(s):

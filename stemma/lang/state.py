@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
-from stemma.lang.errors import ProgramError
+from stemma.lang.errors import ProgramError, VariableNotGenerated
 from stemma.lang.interpreter import Meta, Run, RunConfig, StateExecutor, Value
 from stemma.lang.ir import Content, Gen, Node, Select, as_node
 from stemma.lang.roles import RoleMethods
@@ -139,7 +139,19 @@ class ProgramState(RoleMethods):
 
     def __getitem__(self, name: str) -> Value:
         """The value of variable `name`; a join makes it the list of the branches' values."""
-        return self._wait(self._ex.get(name))
+        return self._wait(self._value(name, outside=not in_body()))
+
+    async def _value(self, name: str, outside: bool) -> Value:
+        try:
+            return await self._ex.get(name)
+        except VariableNotGenerated:
+            # a streamed run's body runs as its text is read, so it may not have reached the gen
+            # of `name` yet: read from outside the body, the variable waits for the run's end
+            # (its text stays queued for text_iter), as SGLang's reads wait for the variable
+            if not outside or self._stream is None or self._task is None or self._task.done():
+                raise
+        await asyncio.wait({self._task})
+        return await self._ex.get(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
         """Sets variable `name` (SGLang's `s[name] = value`, `set_var`), once what the state was
