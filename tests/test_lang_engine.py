@@ -220,6 +220,11 @@ def test_leaving_a_stream_early_cancels_its_run(engine, backend):
             break
     stats = engine.stats()
     assert stats["running"] == 0 and stats["queue"] == 0, stats
+    # reads take what the run had (they raised "no running event loop"); a wait is refused
+    assert state.text() == sentence(8) and state.vars() == {} and state.usage().completion_tokens == 0
+    assert state.get("a") is None and "b" not in state
+    with pytest.raises(stemma.ProgramError, match="cancelled before it finished"):
+        state.token_ids()
 
 
 def test_a_bad_prompt_fails_the_program_and_frees_the_engine(engine, backend):

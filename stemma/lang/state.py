@@ -83,6 +83,7 @@ class ProgramState(RoleMethods):
         self._held: deque = deque()                     # stream items read ahead, given back
         self._seen: set[str | None] = set()             # variables whose marks were read
         self._submitted = 0                             # nodes given (fork/join count too)
+        self._cancelled = False                         # cancel() stopped the run before its end
         self.return_value: Any = None
 
     # ---- appending ----
@@ -133,13 +134,25 @@ class ProgramState(RoleMethods):
     def _wait(self, awaitable: Awaitable[T]) -> T:
         if in_body():
             return await_only(awaitable)
+        if self._cancelled:  # nothing will run again: what it would wait for never comes
+            awaitable.close()
+            raise ProgramError("this program run was cancelled before it finished (a text_iter left "
+                               "early, or cancel()): text(), vars() and its variables hold what it had")
         if self._loop is not None and not self._loop.is_closed() and not self._loop.is_running():
             return self._loop.run_until_complete(awaitable)
         return run_now(awaitable)
 
     def __getitem__(self, name: str) -> Value:
         """The value of variable `name`; a join makes it the list of the branches' values."""
+        if self._so_far():
+            if name not in self._ex.vars:
+                raise VariableNotGenerated(name, list(self._ex.vars))
+            return self._ex.vars[name]
         return self._wait(self._value(name, outside=not in_body()))
+
+    def _so_far(self) -> bool:
+        """Whether a read takes what the state has now: its run was cancelled (read from outside)."""
+        return self._cancelled and not in_body()
 
     async def _value(self, name: str, outside: bool) -> Value:
         try:
@@ -185,6 +198,8 @@ class ProgramState(RoleMethods):
 
     def text(self) -> str:
         """The whole text so far: appended, generated and selected, with role markup."""
+        if self._so_far():
+            return self._ex.text
         return self._wait(self._ex.snapshot_text())
 
     def token_ids(self) -> list[int]:
@@ -192,12 +207,14 @@ class ProgramState(RoleMethods):
         return self._wait(self._ex.token_ids())
 
     def vars(self) -> dict[str, Value]:
-        self._wait(self._ex.idle())
+        if not self._so_far():
+            self._wait(self._ex.idle())
         return dict(self._ex.vars)
 
     def messages(self) -> list[dict[str, str]]:
         """The closed chat turns: [{'role': 'user', 'content': ...}, ...]."""
-        self._wait(self._ex.idle())
+        if not self._so_far():
+            self._wait(self._ex.idle())
         return [dict(m) for m in self._ex.messages]
 
     def meta(self, name: str) -> Meta:
@@ -208,12 +225,14 @@ class ProgramState(RoleMethods):
 
     def calls(self) -> list[CallRecord]:
         """Every request this state sent, with how many prompt tokens came from the cache."""
-        self._wait(self._ex.idle())
+        if not self._so_far():
+            self._wait(self._ex.idle())
         return list(self._ex.calls)
 
     def usage(self) -> Usage:
         """The calls of this state and of the states forked from it, added up."""
-        self._wait(self._ex.idle())
+        if not self._so_far():
+            self._wait(self._ex.idle())
         return _usage(self._ex)
 
     # ---- forks ----
@@ -416,6 +435,7 @@ class ProgramState(RoleMethods):
         if self._task is None or self._task.done():
             return
         self._task.cancel()
+        self._cancelled = True
         if self._loop is not None and not self._loop.is_closed():
             close_loop(self._loop)
 
