@@ -333,3 +333,24 @@ def test_an_eos_that_is_a_plain_token_leaves_the_program_s_ids(folder, engine, t
     state = ends.run(backend=EngineBackend(eos_engine), sampling=GREEDY)
     assert state["x"] == engine.generate(ids, SamplingParams(max_new_tokens=at, **GREEDY)).text
     assert state.token_ids()[-at - 1:] == [ids[-1], *plain.token_ids[:at]]
+
+
+def test_sglang_s_logprobs_are_in_get_meta_info(backend):
+    """gen(return_logprob=True, top_logprobs_num=k): get_meta_info carries SGLang's
+    output_token_logprobs and output_top_logprobs, (logprob, token id, None) each."""
+    @stemma.function
+    def scored(s):
+        s += sentence(6) + stemma.gen("x", max_tokens=5, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+
+    state = scored.run(backend=backend, sampling=GREEDY)
+    out, info = state.meta("x"), state.get_meta_info("x")
+    assert info["output_token_logprobs"] == [(lp, t, None) for t, lp in zip(out.token_ids, out.logprobs)]
+    assert len(info["output_token_logprobs"]) == info["completion_tokens"] == 5
+    tops = info["output_top_logprobs"]
+    assert [len(pos) for pos in tops] == [2] * 5 and all(pos[0][1] == t for pos, t in zip(tops, out.token_ids))
+
+    @stemma.function
+    def plain(s):
+        s += sentence(6) + stemma.gen("x", max_tokens=5)
+
+    assert "output_token_logprobs" not in plain.run(backend=backend, sampling=GREEDY).get_meta_info("x")

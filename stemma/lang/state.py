@@ -181,11 +181,19 @@ class ProgramState(RoleMethods):
 
     def get_meta_info(self, name: str) -> dict[str, Any] | Meta:
         """SGLang's name for meta(): a gen's as a dict (prompt_tokens, cached_tokens,
-        completion_tokens, finish_reason, ...), a select's SelectResult."""
+        completion_tokens, finish_reason, ...; with return_logprob, SGLang's
+        output_token_logprobs and output_top_logprobs: (logprob, token id, None) tuples, the
+        text left None as SGLang leaves it without return_text_in_logprobs), a select's
+        SelectResult."""
         meta = self.meta(name)
-        if isinstance(meta, RequestOutput):
-            return {**meta.meta, "finish_reason": meta.finish_reason}
-        return meta
+        if not isinstance(meta, RequestOutput):
+            return meta
+        info = {**meta.meta, "finish_reason": meta.finish_reason}
+        if meta.logprobs is not None:
+            info["output_token_logprobs"] = [(lp, t, None) for t, lp in zip(meta.token_ids, meta.logprobs)]
+        if meta.top_logprobs is not None:
+            info["output_top_logprobs"] = [[(lp, t, None) for t, lp in pos] for pos in meta.top_logprobs]
+        return info
 
     def get(self, name: str, default: T | None = None) -> Value | T | None:
         try:
