@@ -448,6 +448,20 @@ def test_join_concate_and_append_keeps_generated_text_and_refuses_a_changed_pare
         changed.run(backend=mock)
 
     @sgl.function
+    def forked_again(s):  # another fork or a gather join leaves the parent's text as it was
+        s += "Start."
+        ideas, other = s.fork(2), s.fork(2)
+        ideas += sgl.gen("idea", max_tokens=2)
+        other += sgl.gen("other", max_tokens=2)
+        other.join()
+        ideas.join(mode="concate_and_append")
+        return ideas
+
+    state = forked_again.run(backend=mock)
+    a, b = state.return_value
+    assert state.text() == "Start." + a["idea"] + b["idea"] and len(state["other"]) == 2
+
+    @sgl.function
     def bad_mode(s):
         s += "x"
         s.fork(2).join(mode="concat")

@@ -82,7 +82,7 @@ class ProgramState(RoleMethods):
         self._stream: asyncio.Queue | None = None       # stream=True: what the run appends
         self._held: deque = deque()                     # stream items read ahead, given back
         self._seen: set[str | None] = set()             # variables whose marks were read
-        self._submitted = 0                             # nodes given (fork/join count too)
+        self._submitted = 0                             # nodes appended (a fork, a gather: none)
         self._cancelled = False                         # cancel() stopped the run before its end
         self.return_value: Any = None
 
@@ -252,7 +252,6 @@ class ProgramState(RoleMethods):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"fork needs a count >= 1, got {n!r}")
         branches = [ProgramState(e, self._loop) for e in self._ex.fork(n)]
-        self._submitted += 1
         return ForkGroup(self, branches)
 
     @contextmanager
@@ -502,7 +501,6 @@ class ForkGroup(Sequence[ProgramState]):
         next call sends the branches' text as its own."""
         if mode == "gather_variable":
             self.parent._ex.join([b._ex for b in self.branches])
-            self.parent._submitted += 1
         elif mode == "concate_and_append":
             self._concatenate()
         else:
