@@ -161,7 +161,8 @@ class ProgramState(RoleMethods):
             # a streamed run's body runs as its text is read, so it may not have reached the gen
             # of `name` yet: read from outside the body, the variable waits for the run's end
             # (its text stays queued for text_iter), as SGLang's reads wait for the variable
-            if not outside or self._stream is None or self._task is None or self._task.done():
+            if (not outside or self._stream is None or self._loop is None or self._task is None
+                    or self._task.done()):  # (_loop: f.run's own, which this read drives)
                 raise
         await asyncio.wait({self._task})
         return await self._ex.get(name)
