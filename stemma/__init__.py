@@ -28,7 +28,7 @@ _LAZY = {
         "function", "gen", "select", "fork", "system", "user", "assistant", "system_begin",
         "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
         "set_default_backend", "ProgramState", "ProgramError", "VariableNotGenerated",
-        "UnknownVariable", "StmSyntaxError", "BackendUnreachable", "Usage", "TokenUsage",
+        "UnknownVariable", "StmSyntaxError", "BackendUnreachable", "GenerationFailed", "Usage", "TokenUsage",
         "gen_int", "gen_string", "image", "video", "global_config", "token_length_normalized",
         "greedy_token_selection", "unconditional_likelihood_normalized", "tool")},
     "load": ("stemma.lang", "load"),

@@ -373,3 +373,25 @@ def test_backend_failure_reaches_the_reader():
 
     with pytest.raises(ConnectionError, match="model went away"):
         qa.run(question="q", backend=Broken())
+
+
+def test_a_call_that_ends_in_error_fails_the_program():
+    """A request the server ended with finish_reason "error" (a constraint that did not compile in
+    time, a failed step) is no value: the program stops with GenerationFailed, as SGLang's
+    executor stores the error (it read as "" and the program went on)."""
+    import dataclasses
+
+    class Failing(MockBackend):
+        async def generate(self, ids, params, on_text=None):
+            out = await super().generate(ids, params, on_text)
+            return dataclasses.replace(out, text="", token_ids=[], finish_reason="error",
+                                       meta={**out.meta, "error": "regex: compiling took too long"})
+
+    @stemma.function
+    def prog(s):
+        s += "JSON:" + stemma.gen("json", regex=r"\{[a-z]+\}") + "\nDone."
+
+    with pytest.raises(stemma.GenerationFailed, match="gen 'json' failed: regex: compiling took too long"):
+        prog.run(backend=Failing())
+    batch = prog.run_batch([{}, {}], backend=Failing())
+    assert all(isinstance(state.error(), stemma.GenerationFailed) for state in batch)

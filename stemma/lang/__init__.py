@@ -4,8 +4,8 @@ Torch-free on import; the Engine backend imports the engine only when it is made
 """
 from stemma.lang.backends.base import TokenUsage
 from stemma.lang.context import as_backend, get_backend, global_config, set_default_backend
-from stemma.lang.errors import (BackendUnreachable, ProgramError, RoleError, StmSyntaxError,
-                                UnknownVariable, VariableNotGenerated)
+from stemma.lang.errors import (BackendUnreachable, GenerationFailed, ProgramError, RoleError,
+                                StmSyntaxError, UnknownVariable, VariableNotGenerated)
 from stemma.lang.function import BatchResult, Function, function
 from stemma.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from stemma.lang.primitives import (assistant, assistant_begin, assistant_end, gen, gen_int,
@@ -25,7 +25,7 @@ def fork(state: ProgramState, n: int = 1) -> ForkGroup:
     return state.fork(n)
 
 
-__all__ = ["BackendUnreachable", "BatchResult", "ForkGroup", "Function", "ProgramError",
+__all__ = ["BackendUnreachable", "BatchResult", "ForkGroup", "Function", "GenerationFailed", "ProgramError",
            "ProgramState", "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "RoleError",
            "SelectResult", "StmSyntaxError", "TextFunction", "TokenUsage", "UnknownVariable", "Usage",
            "VariableNotGenerated", "as_backend", "assistant", "assistant_begin", "assistant_end",

@@ -54,5 +54,16 @@ class RoleError(ProgramError):
     """Role blocks that do not nest: a turn opened inside another, or closed without being open."""
 
 
+class GenerationFailed(ProgramError):
+    """A model call of the program ended in error on the server (a constraint that did not
+    compile in time, a step that failed): the program stops with it, as on SGLang, rather than
+    reading an empty value. `name`: the gen's or select's variable; `output`: the call's output."""
+
+    def __init__(self, what: str, name: str | None, error: str, output=None):
+        super().__init__(f"{what} {name!r} failed: {error}" if name else f"{what} failed: {error}")
+        self.name = name
+        self.output = output
+
+
 class BackendUnreachable(ProgramError, ConnectionError):
     """No stemma server answers at the address of a remote backend."""

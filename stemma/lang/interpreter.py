@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeAlias
 
 from stemma.lang.backends.base import CURRENT_CALL, Backend
-from stemma.lang.errors import RoleError, UnknownVariable, VariableNotGenerated
+from stemma.lang.errors import GenerationFailed, RoleError, UnknownVariable, VariableNotGenerated
 from stemma.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, sets_variable
 from stemma.lang.scoring import decide
 from stemma.lang.suspend import post
@@ -474,6 +474,7 @@ class StateExecutor:
         on_text = self._emit_generated if self.listeners else None
         with self._call():
             out = await self.backend.generate(ids, params, on_text)
+        _check("gen", node.name, out)
         # a stop may have left text out: a stop string, a stop token, or an EOS that is a plain
         # token (a generation_config's) the settle cannot tell by its id
         trimmed = out.finish_reason == "stop"
@@ -498,6 +499,7 @@ class StateExecutor:
             outs = await self.backend.generate_batch(requests)
         for out in outs:
             self._record("select", node.name, out.meta)
+            _check("select", node.name, out)
         logprobs = [list(out.prompt_logprobs) for out in outs]
         n = len(choice_ids)
         result = decide(node.method, node.choices, logprobs[:n], logprobs[n:] or None)
@@ -517,3 +519,9 @@ class StateExecutor:
         for name in node.names:  # None for a branch that did not write it (not its inherited value)
             values = [branch.vars[name] if name in branch.own else None for branch in node.branches]
             self._set(name, values, None)
+
+
+def _check(what: str, name: str | None, out: RequestOutput) -> None:
+    """A call the server ended in error fails the program (its text is no value to read)."""
+    if out.finish_reason == "error":
+        raise GenerationFailed(what, name, str(out.meta.get("error") or "the request failed"), out)
