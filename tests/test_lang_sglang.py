@@ -79,6 +79,16 @@ def test_a_name_both_argument_and_option_is_an_error(mock):
     with pytest.raises(TypeError, match="program qa: got an unexpected keyword argument 'temprature'"):
         qa.run(question="q", backend=mock, temprature=0)
 
+    @sgl.function
+    def parallel_sample(s, question, n, seed=None):  # SGLang's example: run() passes n on
+        s += question + str(seed)
+        forks = s.fork(n)
+        forks += sgl.gen("answer", max_tokens=2)
+
+    state = parallel_sample.run(question="Q", n=3, seed=7, backend=mock, temperature=0.5)
+    assert state.text() == "Q7" and mock.calls[-1].params.temperature == 0.5
+    assert mock.calls[-1].params.seed is None  # the program's seed, not a sampling option
+
 
 def test_run_batch_takes_options_num_threads_and_progress_bar(mock, capsys):
     states = qa.run_batch([{"question": f"q{i}"} for i in range(5)], backend=mock,

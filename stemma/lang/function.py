@@ -14,8 +14,10 @@ context.py) and the sampling options every gen starts from (a gen's own override
 keyword arguments, as SGLang takes them (max_new_tokens, temperature, stop, ...; options.py
 lists the names), and/or as `sampling=` (a SamplingParams or a dict of its fields). A keyword
 argument is the program's when the body has a parameter of that name, else a sampling option
-when it names one; a name that is both is an error, and the program's argument goes positionally
-(or the option in sampling=). backend, sampling and stream are reserved: a program cannot have
+when it names one. A name that is both is the program's (as on SGLang, whose run() passes on
+every name but its own), unless SGLang's run() takes it as its own keyword (RUN_KEYWORDS:
+temperature, stop, max_new_tokens, ...): that is an error, and the program's argument goes
+positionally (or the option in sampling=). backend, sampling and stream are reserved: a program cannot have
 parameters called so.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeAlias
 from stemma.lang.backends.base import Backend
 from stemma.lang.context import BackendLike, get_backend
 from stemma.lang.interpreter import RunConfig
-from stemma.lang.options import is_option, normalize
+from stemma.lang.options import RUN_KEYWORDS, is_option, normalize
 from stemma.lang.state import ProgramState, start
 from stemma.lang.suspend import reserve_threads
 from stemma.lang.tracer import Placeholder, Trace, TracingState, placeholders, trace
@@ -141,7 +143,7 @@ class Function:
         names = self.parameter_names()
         program, options = {}, {}
         for key, value in kwargs.items():
-            if not is_option(key):
+            if not is_option(key) or (key in names and key not in RUN_KEYWORDS):
                 program[key] = value
             elif key in names:
                 raise TypeError(f"program {self.name}: {key!r} is both a parameter of the program "

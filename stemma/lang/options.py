@@ -31,6 +31,12 @@ UNSUPPORTED = {
 }
 IGNORED = frozenset({"return_text_in_logprobs"})
 NAMES = FIELDS | ALIASES.keys() | UNSUPPORTED.keys() | IGNORED
+# The sampling options SGLang's run() and run_batch() take as their own keywords: a program
+# parameter of one of these names cannot be passed by keyword there either (stemma.lang.function)
+RUN_KEYWORDS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "ignore_eos", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "return_text_in_logprobs"})
 
 
 def is_option(name: str) -> bool:

@@ -32,7 +32,7 @@ from stemma.lang.errors import StmSyntaxError, UnknownVariable
 from stemma.lang.escapes import unescape
 from stemma.lang.function import RESERVED, Function
 from stemma.lang.ir import ROLES, Gen, Node, RoleBegin, RoleEnd, Select, Text, VarRef, Where
-from stemma.lang.options import is_option
+from stemma.lang.options import RUN_KEYWORDS
 from stemma.lang.primitives import gen, select
 from stemma.lang.tracer import Placeholder
 
@@ -288,7 +288,7 @@ class TextFunction(Function):
         self.source = source
         self.arguments = arguments(nodes)
         for var, where in self.arguments.items():  # run() takes these names for itself
-            if var in RESERVED or is_option(var):
+            if var in RESERVED or var in RUN_KEYWORDS:
                 raise StmSyntaxError(f"variable {{{var}}} is read before it is generated, so it is "
                                      f"passed to run() by name, and run() takes {var!r} for itself "
                                      f"({'reserved' if var in RESERVED else 'a sampling option'}): "
