@@ -669,3 +669,21 @@ def test_what_does_not_apply_to_a_text_model_says_so():
             vendor("model")
     with pytest.raises(NotImplementedError, match="return_meta_data"):
         qa.run(question="q", backend=MockBackend()).text_async_iter("answer", True)
+
+
+def test_a_select_s_meta_info_is_sglang_s_dict(mock):
+    """SGLang's choices_logprob.py reads get_meta_info(select)["input_token_logprobs"]: each
+    choice's tokens as (logprob, token id, text), beside normalized_prompt_logprobs."""
+    @sgl.function
+    def tool_use(s, question):
+        s += "To answer this question: " + question + ", I need to use a "
+        s += sgl.gen("tool", choices=["calculator", "search engine"])
+
+    state = tool_use.run("What is 5 + 5?", backend=mock)
+    result, info = state.meta("tool"), state.get_meta_info("tool")
+    assert info["choice"] == state["tool"] == result.choice
+    assert info["normalized_prompt_logprobs"] == pytest.approx(list(result.scores))
+    for choice, entries, lps in zip(["calculator", "search engine"], info["input_token_logprobs"],
+                                    result.token_logprobs):
+        assert [lp for lp, _, _ in entries] == list(lps)
+        assert [t for _, t, _ in entries] == mock.codec.encode(choice)

@@ -14,6 +14,7 @@ that generates nothing), then every branch starts from those ids.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 import uuid
@@ -502,7 +503,8 @@ class StateExecutor:
             _check("select", node.name, out)
         logprobs = [list(out.prompt_logprobs) for out in outs]
         n = len(choice_ids)
-        result = decide(node.method, node.choices, logprobs[:n], logprobs[n:] or None)
+        result = dataclasses.replace(decide(node.method, node.choices, logprobs[:n], logprobs[n:] or None),
+                                     token_ids=tuple(tuple(ids) for ids in choice_ids))
         self._append_generated(result.choice, choice_ids[result.index], streamed=False)
         self._set(node.name, result.choice, result)
 

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 DEFAULT_METHOD = "token_length_normalized"
 METHODS = ("token_length_normalized", "greedy_token", "unconditional_likelihood_normalized")
@@ -30,6 +30,21 @@ class SelectResult:
     token_logprobs: tuple[tuple[float, ...], ...]   # cond, per choice and token
     method: str
     unconditional_logprobs: tuple[tuple[float, ...], ...] | None = None
+    token_ids: tuple[tuple[int, ...], ...] | None = None  # each choice's tokens, as scored
+
+    def sglang_meta_info(self) -> dict[str, Any]:
+        """SGLang's meta_info of a select: each choice's mean logprob (normalized_prompt_logprobs)
+        and its tokens' (logprob, token id, None), with this result's own fields."""
+        ids = self.token_ids or tuple((None,) * len(lps) for lps in self.token_logprobs)
+        info: dict[str, Any] = {
+            "choice": self.choice, "index": self.index, "scores": list(self.scores), "method": self.method,
+            "normalized_prompt_logprobs": [mean(lps) if lps else 0.0 for lps in self.token_logprobs],
+            "input_token_logprobs": [[(lp, t, None) for lp, t in zip(lps, tids)]
+                                     for lps, tids in zip(self.token_logprobs, ids)]}
+        if self.unconditional_logprobs is not None:
+            info["unconditional_token_logprobs"] = [[(lp, t, None) for lp, t in zip(lps, tids)]
+                                                    for lps, tids in zip(self.unconditional_logprobs, ids)]
+        return info
 
 
 def mean(values: Sequence[float]) -> float:

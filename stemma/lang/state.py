@@ -29,6 +29,7 @@ from stemma.lang.errors import ProgramError, VariableNotGenerated
 from stemma.lang.interpreter import Meta, Run, RunConfig, StateExecutor, Value
 from stemma.lang.ir import Content, Gen, Node, Select, as_node
 from stemma.lang.roles import RoleMethods
+from stemma.lang.scoring import SelectResult
 from stemma.lang.suspend import await_only, in_body, run_body, run_now
 from stemma.lang.usage import CallRecord, Usage
 from stemma.outputs import RequestOutput
@@ -184,9 +185,11 @@ class ProgramState(RoleMethods):
         """SGLang's name for meta(): a gen's as a dict (prompt_tokens, cached_tokens,
         completion_tokens, finish_reason, ...; with return_logprob, SGLang's
         output_token_logprobs and output_top_logprobs: (logprob, token id, None) tuples, the
-        text left None as SGLang leaves it without return_text_in_logprobs), a select's
-        SelectResult."""
+        text left None as SGLang leaves it without return_text_in_logprobs), a select's as
+        SGLang's too (SelectResult.sglang_meta_info; meta() gives the SelectResult)."""
         meta = self.meta(name)
+        if isinstance(meta, SelectResult):
+            return meta.sglang_meta_info()
         if not isinstance(meta, RequestOutput):
             return meta
         info = {**meta.meta, "finish_reason": meta.finish_reason}
