@@ -35,7 +35,7 @@ def folder(tmp_path_factory):
 def test_remote_backend_matches_the_engine(folder):
     local = program.run(topic=W[60], backend=EngineBackend(stemma.Engine(folder, **ENGINE)),
                         sampling={"temperature": 0})
-    with stemma.Runtime(folder, **ENGINE) as rt:
+    with stemma.Runtime(model_path=folder, **ENGINE) as rt:  # SGLang's name for the model
         def with_default():  # set_default_backend(stemma.connect(addr)) in a context of its own
             stemma.set_default_backend(stemma.connect(rt.address))
             return program.run(topic=W[60], sampling={"temperature": 0})
@@ -53,6 +53,8 @@ def test_remote_backend_matches_the_engine(folder):
     assert stats["cached_tokens"] >= 2 * remote.usage().cached_tokens and stats["running"] == 0
     # each run through the server was one program: its calls carried its context, and it ended with the run
     assert stats["programs_ended"] == 2 and stats["programs_live"] == 0
+    rt.shutdown()  # SGLang's name for close(): once closed, nothing more to do
+    assert not rt.running
     # 8 requests each: first, the fork's prefill, 3 ideas, the select's prefill and its 2 choices
     assert [p["calls"] for p in stats["programs"]] == [8, 8]
 

@@ -687,3 +687,9 @@ def test_a_select_s_meta_info_is_sglang_s_dict(mock):
                                     result.token_logprobs):
         assert [lp for lp, _, _ in entries] == list(lps)
         assert [t for _, t, _ in entries] == mock.codec.encode(choice)
+
+
+def test_sglang_s_api_module_path_ports_by_its_package_name():
+    from stemma.lang import api
+    for name in ("function", "gen", "select", "set_default_backend", "system", "user", "assistant", "image"):
+        assert getattr(api, name) is getattr(sgl, name)

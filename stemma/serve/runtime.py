@@ -24,14 +24,18 @@ class Runtime:
     def __init__(self, model: str | None = None, *, start_timeout: float | None = 600.0,
                  log_level: str = "warning", supervision: Supervision | None = None,
                  dp: int = 1, routing: Routing | None = None, ray: RayPlacement | None = None,
-                 **engine_config: Any):
+                 model_path: str | None = None, **engine_config: Any):
         """`engine_config` takes the fields of EngineConfig, as Engine does; they are checked here,
         before any process starts. `log_level` (one of stemma.log.LEVELS) is what the two
         children log at, on this process's stderr. `supervision`: engine restarts, as
         `stemma serve` does them (its defaults when None). `dp` engine replicas, each on its
         own share of the cores, behind one gateway that routes by `routing` (its defaults when
         None: cache-aware). `ray`: place the replicas as Ray actors on a cluster, as `stemma serve
-        --ray-address` does (None: no Ray)."""
+        --ray-address` does (None: no Ray). `model_path`: SGLang's name for `model`."""
+        if model_path is not None:
+            if model is not None:
+                raise ValueError("give the model once: model or model_path (SGLang's name for it)")
+            model = model_path
         config = EngineConfig.from_kwargs(model=model, **engine_config)
         if dp < 1:
             raise ValueError(f"dp must be >= 1, got {dp}")
@@ -64,6 +68,10 @@ class Runtime:
         self._procs.stop()
         self._procs = None
         atexit.unregister(self.close)
+
+    def shutdown(self) -> None:
+        """SGLang's name for close()."""
+        self.close()
 
     def __enter__(self) -> "Runtime":
         return self
