@@ -450,7 +450,8 @@ class StateExecutor:
     def _end_role(self, role: str) -> None:
         if self.role != role:
             raise RoleError(f"{role}_end closes no open {role} turn (open: {self.role or 'none'})")
-        self.messages.append({"role": role, "content": self.text[self.role_start:]})
+        # the turn's text without its leading whitespace, as SGLang's messages hold it
+        self.messages.append({"role": role, "content": self.text[self.role_start:].lstrip()})
         self.role = None
         self._append_text(self.backend.chat_template.suffix(role))
 
