@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="stemma", description="stemma: an LLM program runtime. Text you type "
                     "(prompts, --stop, --var, .stm programs, REPL inputs) reads backslash escapes "
                     "such as \\n as in Python strings; see the README.")
+    from stemma import __version__
+    parser.add_argument("--version", action="version", version=f"stemma {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", usage="%(prog)s [options] PROMPT", help="continue a prompt on the model (greedy by default)",
                          description="Continues PROMPT on the model and prints it with the "

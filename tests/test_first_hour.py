@@ -72,6 +72,8 @@ def test_a_wrong_flag_gets_a_suggestion_and_its_value_never_becomes_the_prompt()
     proc = cli("generate", "--frobnicate", "10", "Hi")
     assert proc.returncode == 2 and "unknown option --frobnicate; see stemma generate --help" in proc.stderr
     assert "Hi" not in proc.stdout
+    proc = cli("--version")  # it said "the following arguments are required: command"
+    assert proc.returncode == 0 and proc.stdout.strip() == f"stemma {stemma.__version__}"
 
 
 def test_max_tokens_is_an_alias_of_max_new_tokens():
@@ -137,7 +139,8 @@ def test_one_escape_rule_in_the_cli_the_repl_and_stm():
     ("127.0.0.1:30000", "give tcp://127.0.0.1:30000 for the server's ZeroMQ port or http://127.0.0.1:30000"),
     ("localhost", "names no protocol"), ("http://", "names no host"), ("tcp://127.0.0.1", "needs a port"),
     ("tcp://host:99999", "not a number in [1, 65535]"), ("zmq://host:1", "zmq:// is not a protocol"),
-    ("ipc://", "needs a path")])
+    ("ipc://", "needs a path"),
+    ("tcp://127.0.0.1:30001/", "tcp:// takes host:port only: tcp://127.0.0.1:30001")])  # ZMQError, late
 def test_bad_addresses_are_value_errors_naming_the_accepted_forms(address, words, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("an address check touched the network")

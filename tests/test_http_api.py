@@ -841,3 +841,55 @@ def test_a_body_that_is_not_json_and_no_tokens_to_detokenize(server):
     assert_error(bad, 400, "body")
     empty = http(server, "POST", "/detokenize", json={"tokens": []})
     assert empty.status_code == 200 and empty.json() == {"prompt": ""}
+
+
+def test_a_busy_zeromq_port_fails_serve_at_once(folder):
+    """The ZeroMQ port is bound once the model is loaded: another server on it answered serve's
+    readiness probe ("serving ..."), then the bind failed and the gateway hung for good."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.served import engine_flags, free_ports
+    port, zmq_port = free_ports(2)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", zmq_port))
+        other.listen()
+        out = subprocess.run([sys.executable, "-m", "stemma", "serve", "--model", folder, "--port", str(port),
+                              "--zmq-port", str(zmq_port), *engine_flags()],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen on the ZeroMQ port at 127.0.0.1:{zmq_port}: Address already in use" in out.stderr
+
+
+
+def test_serve_on_the_ipv6_loopback(folder):
+    """--host ::1: both ports listen there (the ZeroMQ sockets had no IPv6 option: the bind failed
+    once the model loaded, and serve hung with nothing listening)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from tests.served import engine_flags, free_ports
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port, zmq_port = free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "stemma", "serve", "--model", folder, "--host", "::1",
+                             "--port", str(port), "--zmq-port", str(zmq_port), *engine_flags()])
+    try:
+        zmq_client = stemma.connect(f"tcp://[::1]:{zmq_port}")
+        deadline = time.monotonic() + 120
+        while not zmq_client.health(timeout=1):
+            assert proc.poll() is None and time.monotonic() < deadline, "serve on ::1 did not come up"
+        ids = zmq_client.generate([5, 6, 7], GREEDY_3).token_ids
+        assert stemma.connect(f"http://[::1]:{port}").generate([5, 6, 7], GREEDY_3).token_ids == ids
+        zmq_client.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+GREEDY_3 = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}

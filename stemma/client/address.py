@@ -49,8 +49,8 @@ def check(address: object) -> str:
     if scheme == "tcp":
         if port is None:
             raise _bad(address, "tcp:// needs a port")
-        if parts.path not in ("", "/") or parts.query:
-            raise _bad(address, "tcp:// takes host:port only")
+        if parts.path or parts.query:  # ZeroMQ's connect refuses even a trailing /
+            raise _bad(address, f"tcp:// takes host:port only: tcp://{parts.netloc}")
         return "zmq"
     return "http"
 

@@ -113,6 +113,7 @@ def open_socket(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, zmq.Socket]
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port; IPv4 addresses still work
     # an inproc address of its own: pyzmq's default derives it from the socket's descriptor,
     # which the monitor endpoint of a socket closed just before may still hold (EADDRINUSE)
     monitor = sock.get_monitor_socket(MONITORED, addr=f"inproc://stemma-client-monitor-{uuid.uuid4().hex}")

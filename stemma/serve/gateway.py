@@ -229,7 +229,11 @@ class Gateway:
         router.setsockopt(zmq.SNDHWM, CLIENT_HWM)
         configure(router)
         self.peers = PeerWatch(router)
-        router.bind(self.spec.address)
+        try:
+            router.bind(self.spec.address)
+        except zmq.ZMQError as exc:  # closed here, or the context's term() would wait for it forever
+            router.close(0)
+            raise RuntimeError(f"cannot listen at {self.spec.address}: {exc.strerror}") from None
         self.router = router
         self.serving = True
         logger.debug("listening at %s for %s", self.spec.address, ready.model)

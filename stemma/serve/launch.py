@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -150,6 +151,20 @@ class ServerProcesses:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def check_free(host: str, port: int, what: str) -> None:
+    """A RuntimeError naming `what` when nothing can listen at host:port (another server has it,
+    or the host is no address of this machine). Another server answering there would otherwise
+    pass for this one while its model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {what} at {host}:{port}: "
+                               f"{exc.strerror or exc}") from None
+
+
 def serve(engine: EngineConfig, config: ServeConfig, log_level: str = "info") -> int:
     """Runs a server until SIGINT/SIGTERM (status 0) or until the gateway exits (status 1: the
     engine died with no restart left, or the HTTP front failed). Its own
@@ -163,6 +178,11 @@ def serve(engine: EngineConfig, config: ServeConfig, log_level: str = "info") ->
     def on_signal(signum, _frame):
         stop["signal"] = signum
 
+    try:  # the ZeroMQ port is bound once the model is loaded: a busy one fails here, at once
+        check_free(config.host, config.zmq_port, "the ZeroMQ port")
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     procs = ServerProcesses(engine, config.address, api_key, config.max_frame_bytes, log_level,
                             http=config)
