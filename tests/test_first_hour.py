@@ -2,6 +2,7 @@
 list flags, escapes, "did you mean"), addresses are checked where given, the mock backend honours
 constraints, messages say what is true, `dir(stemma)` is clean, and the README says what a
 program writer needs."""
+import asyncio
 import io
 import json
 import logging
@@ -193,6 +194,15 @@ def test_a_port_that_speaks_the_other_protocol_is_named(tmp_path):
         assert time.monotonic() - start < 10  # said at once, not after a timeout
         with pytest.raises(stemma.ServerError, match="speaks ZeroMQ, not HTTP"):
             stemma.connect(f"http://127.0.0.1:{zport}").info(timeout=1)
+        start = time.monotonic()  # with no timeout (the default) a call waited there for ever
+        client = stemma.connect(f"http://127.0.0.1:{zport}")
+        with pytest.raises(stemma.ServerError, match="speaks ZeroMQ, not HTTP"):
+            client.generate("hi", {"max_new_tokens": 2})
+        with pytest.raises(stemma.ServerError, match="speaks ZeroMQ, not HTTP"):
+            asyncio.run(client.agenerate("hi", {"max_new_tokens": 2}))
+        with pytest.raises(stemma.ServerError, match="speaks ZeroMQ, not HTTP"):
+            next(iter(client.stream("hi", {"max_new_tokens": 2})))
+        assert time.monotonic() - start < 10
     finally:
         listener.close()
         router.close(linger=0)

@@ -55,14 +55,18 @@ def check(address: object) -> str:
     return "http"
 
 
-def speaks_zmtp(address: str, wait_s: float = 0.5) -> bool:
+def speaks_zmtp(address: str, wait_s: float = 0.5, ask_http: bool = False) -> bool:
     """Whether the tcp/http `address` is a ZeroMQ port: one that greets a new connection with a
-    ZMTP signature before it is sent anything (an HTTP server waits for the request)."""
+    ZMTP signature before it is sent anything (an HTTP server waits for the request). `ask_http`:
+    send an HTTP request at once too, which an HTTP server answers without waiting out `wait_s`
+    (a ZeroMQ port's greeting still comes first)."""
     parts = urlsplit(address)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         with socket.create_connection((parts.hostname, port), timeout=wait_s) as sock:
             sock.settimeout(wait_s)
+            if ask_http:
+                sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
             greeting = sock.recv(10)
     except OSError:
         return False

@@ -461,6 +461,7 @@ class _AsyncHttp:
 
     async def request(self, method: str, path: str, timeout: float | None, body: Any = None,
                       ok_statuses: tuple[int, ...] = ()) -> httpx2.Response:
+        await self.known_http(timeout)
         try:
             response = await self.http.request(method, path, json=body, timeout=self.owner.timeouts(timeout))
         except httpx2.TransportError as exc:
@@ -469,7 +470,12 @@ class _AsyncHttp:
             raise status_error(response.status_code, response.content)
         return response
 
+    async def known_http(self, timeout: float | None) -> None:
+        if timeout is None and not self.owner._http_known:  # the probe blocks: on a thread
+            await asyncio.to_thread(self.owner._known_http, timeout)
+
     async def send_stream(self, body: dict[str, Any], timeout: float | None) -> httpx2.Response:
+        await self.known_http(timeout)
         request = self.http.build_request("POST", "/generate", json=body,
                                           timeout=self.owner.timeouts(timeout))
         try:
@@ -511,6 +517,7 @@ class HttpClient:
         self.connect_timeout = check_connect_timeout(connect_timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http: httpx2.Client | None = None  # opened by the first call
+        self._http_known = False  # the address answered in HTTP (_known_http)
         self._async: dict[asyncio.AbstractEventLoop, _AsyncHttp] = {}
         self._streams: weakref.WeakValueDictionary[str, HttpStream | AsyncHttpStream] = \
             weakref.WeakValueDictionary()
@@ -528,12 +535,20 @@ class HttpClient:
         connect_s(timeout) for the connect."""
         return httpx2.Timeout(timeout, connect=self.connect_s(timeout))
 
-    def check_protocol(self, wait_s: float = 0.2) -> None:
+    def check_protocol(self, wait_s: float = 0.2, ask_http: bool = False) -> None:
         """Raises ServerError(WRONG_PROTOCOL) if the address is a ZeroMQ port, which would never
         answer an HTTP request (it greets first; an HTTP server waits): one connection, waiting
         up to `wait_s` for a greeting. A program's backend calls it before its first request."""
-        if speaks_zmtp(self.address, wait_s):
+        if speaks_zmtp(self.address, wait_s, ask_http):
             raise not_http(self.address)
+
+    def _known_http(self, timeout: float | None) -> None:
+        """Before the first call that may wait without a limit: a ZeroMQ port at the address
+        would never answer it, and no timeout would end the wait (one short probe, once; an HTTP
+        server answers it at once)."""
+        if timeout is None and not self._http_known:
+            self.check_protocol(wait_s=max(self.connect_s(None) or 5.0, 0.2), ask_http=True)
+            self._http_known = True
 
     # ---- the transport ----
     def _client(self) -> httpx2.Client:
@@ -545,6 +560,7 @@ class HttpClient:
 
     def _request(self, method: str, path: str, timeout: float | None, body: Any = None,
                  ok_statuses: tuple[int, ...] = ()) -> httpx2.Response:
+        self._known_http(timeout)
         try:
             response = self._client().request(method, path, json=body, timeout=self.timeouts(timeout))
         except httpx2.TransportError as exc:
@@ -554,6 +570,7 @@ class HttpClient:
         return response
 
     def _send_stream(self, body: dict[str, Any], timeout: float | None) -> httpx2.Response:
+        self._known_http(timeout)
         http = self._client()
         request = http.build_request("POST", "/generate", json=body, timeout=self.timeouts(timeout))
         try:
