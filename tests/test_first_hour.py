@@ -141,7 +141,8 @@ def test_one_escape_rule_in_the_cli_the_repl_and_stm():
     ("localhost", "names no protocol"), ("http://", "names no host"), ("tcp://127.0.0.1", "needs a port"),
     ("tcp://host:99999", "not a number in [1, 65535]"), ("zmq://host:1", "zmq:// is not a protocol"),
     ("ipc://", "needs a path"),
-    ("tcp://127.0.0.1:30001/", "tcp:// takes host:port only: tcp://127.0.0.1:30001")])  # ZMQError, late
+    ("tcp://127.0.0.1:30001/", "tcp:// takes host:port only: tcp://127.0.0.1:30001"),  # ZMQError, late
+    ("http://127.0.0.1:30000/v1", "stemma.connect takes the server itself: http://127.0.0.1:30000")])
 def test_bad_addresses_are_value_errors_naming_the_accepted_forms(address, words, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("an address check touched the network")

@@ -52,6 +52,10 @@ def check(address: object) -> str:
         if parts.path or parts.query:  # ZeroMQ's connect refuses even a trailing /
             raise _bad(address, f"tcp:// takes host:port only: tcp://{parts.netloc}")
         return "zmq"
+    if parts.path.rstrip("/").endswith("/v1"):  # every call would be "no such route"
+        root = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')[:-3]}"
+        raise _bad(address, f"/v1 is the OpenAI API's base (for OpenAI clients); stemma.connect "
+                            f"takes the server itself: {root}")
     return "http"
 
 
