@@ -395,3 +395,17 @@ def test_a_call_that_ends_in_error_fails_the_program():
         prog.run(backend=Failing())
     batch = prog.run_batch([{}, {}], backend=Failing())
     assert all(isinstance(state.error(), stemma.GenerationFailed) for state in batch)
+
+
+def test_the_mock_returns_the_logprobs_a_gen_asks_for(mock):
+    @stemma.function
+    def scored(s):
+        s += "a" + stemma.gen("x", max_tokens=4, return_logprob=True, top_logprobs_num=3) + stemma.gen("y", max_tokens=2)
+
+    state = scored.run(backend=mock)
+    info, out = state.get_meta_info("x"), state.meta("x")
+    assert [t for _, t, _ in info["output_token_logprobs"]] == out.token_ids and len(out.token_ids) == 4
+    for pos, (lp, token, _) in zip(info["output_top_logprobs"], info["output_token_logprobs"]):
+        assert len(pos) == 3 and (lp, token, None) in pos
+        assert [p[0] for p in pos] == sorted((p[0] for p in pos), reverse=True)
+    assert state.meta("y").logprobs is None

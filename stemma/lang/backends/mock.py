@@ -8,6 +8,8 @@
   as deterministic as the rest (see mock_constraint.py); `choices` make a select, which picks
   one of them by the logprobs below.
 - The logprob of token t after context c is `mock_logprob(c, t)`, a hash of both, in [-10, -0.01].
+  A gen that asks for logprobs gets each output token's; with top_logprobs=k, the output token
+  and the k-1 code points after it, most likely first.
 - A prefix cache is modelled the way the engine's radix cache behaves: a request's cached tokens
   are its longest prefix that an earlier request's prompt or output holds, capped one short of
   the prompt and one short of logprob_start (whose logits the scoring needs).
@@ -137,9 +139,15 @@ class MockBackend(Backend):
                                for pos in range(params.logprob_start, len(ids))]
         meta = {"prompt_tokens": len(ids), "cached_tokens": cached, "completion_tokens": len(out_ids)}
         self.token_usage.add(meta)
+        logprobs = top = None
+        if params.logprobs:
+            logprobs = [mock_logprob(ids + out_ids[:i], t) for i, t in enumerate(out_ids)]
+            if params.top_logprobs:
+                top = [sorted(((c, mock_logprob(ids + out_ids[:i], c)) for c in range(t, t + params.top_logprobs)),
+                              key=lambda pair: -pair[1]) for i, t in enumerate(out_ids)]
         return RequestOutput(
             rid=f"mock-{len(self.calls)}", text=text, token_ids=out_ids, finish_reason=reason,
-            prompt_logprobs=prompt_logprobs, meta=meta)
+            logprobs=logprobs, top_logprobs=top, prompt_logprobs=prompt_logprobs, meta=meta)
 
     async def generate(self, ids: list[int], params: SamplingParams,
                        on_text: OnText | None = None) -> RequestOutput:
