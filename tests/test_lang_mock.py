@@ -409,3 +409,20 @@ def test_the_mock_returns_the_logprobs_a_gen_asks_for(mock):
         assert len(pos) == 3 and (lp, token, None) in pos
         assert [p[0] for p in pos] == sorted((p[0] for p in pos), reverse=True)
     assert state.meta("y").logprobs is None
+
+
+def test_a_streamed_read_of_a_run_whose_body_failed_raises_its_error():
+    """The read waits for the run; a body that raised after queueing the gen closed the executor
+    mid-call, and the read then waited on it for ever."""
+    class SlowMock(MockBackend):
+        async def generate(self, ids, params, on_text=None):
+            await asyncio.sleep(0.2)
+            return await super().generate(ids, params, on_text)
+
+    @stemma.function
+    def failing(s):
+        s += "Q:" + stemma.gen("a", max_tokens=5)
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        failing.run(backend=SlowMock(), stream=True)["a"]

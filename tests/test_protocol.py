@@ -151,3 +151,12 @@ def test_an_error_names_its_field_from_version_5_only():
                          "param": "stop"})
     with pytest.raises(P.ProtocolError, match="needs protocol version 5"):
         P.decode(old)
+
+
+def test_only_an_ipv6_literal_takes_ipv6():
+    """zmq.IPV6 makes libzmq resolve a host name to its IPv6 address first: tcp://localhost would
+    reach ::1 where /etc/hosts lists it, while the server listens on 127.0.0.1."""
+    from stemma.protocol.transport import ipv6_literal
+    assert ipv6_literal("tcp://[::1]:30001") and ipv6_literal("tcp://[fe80::1]:1")
+    assert not any(ipv6_literal(a) for a in ("tcp://localhost:30001", "tcp://127.0.0.1:30001",
+                                             "tcp://example.com:1", "ipc:///tmp/x"))

@@ -30,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from stemma import protocol as P
 from stemma.outputs import RequestOutput
 from stemma.program_call import ProgramCall
-from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, ipv6_literal
 from stemma.sampling_params import SamplingParams
 
 CONNECTION_LOST = "connection_lost"
@@ -113,7 +113,8 @@ def open_socket(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, zmq.Socket]
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port; IPv4 addresses still work
+    if ipv6_literal(address):  # tcp://[::1]:port
+        sock.setsockopt(zmq.IPV6, 1)
     # an inproc address of its own: pyzmq's default derives it from the socket's descriptor,
     # which the monitor endpoint of a socket closed just before may still hold (EADDRINUSE)
     monitor = sock.get_monitor_socket(MONITORED, addr=f"inproc://stemma-client-monitor-{uuid.uuid4().hex}")

@@ -97,8 +97,8 @@ def error_of(status: int | None, error: Any) -> ServerError:
             status = code
         fallback = P.INTERNAL if status is None or status >= 500 else P.BAD_REQUEST
         code = _STATUS_CODES.get(status) or _TYPE_CODES.get(kind) or fallback
-    if isinstance(param, str):  # as the ZeroMQ client names it: the SamplingParams field
-        param = param.removeprefix("sampling_params.")
+    if isinstance(param, str):  # as the engine names it: the SamplingParams field, or the prompt
+        param = "prompt" if param in ("text", "input_ids") else param.removeprefix("sampling_params.")
     return ServerError(code, str(message) if message else f"HTTP {status}",
                        param if isinstance(param, str) else None)
 

@@ -166,6 +166,10 @@ class ProgramState(RoleMethods):
                     or self._task.done()):  # (_loop: f.run's own, which this read drives)
                 raise
         await asyncio.wait({self._task})
+        if self._task.cancelled():
+            raise ProgramError("this program run was cancelled before it finished")
+        if self._task.exception() is not None:  # the body's own error (its executors are closed)
+            raise self._task.exception()
         return await self._ex.get(name)
 
     def __setitem__(self, name: str, value: Any) -> None:

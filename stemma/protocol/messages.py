@@ -10,7 +10,8 @@ between the gateway and the engine, as the body alone.
 Versions: version 2 added the program context (GenerateReq.call, EndProgram); version 3 the
 replicas' cache events (CacheEvents, engine -> gateway only); version 4 the model's EOS ids
 (EngineReady.eos_token_ids, engine -> gateway only); version 5 the field a request was refused
-for (ErrorMsg.param). This side reads
+for (ErrorMsg.param, engine -> gateway only: the gateway's HTTP front names it, and it leaves it
+out of what it sends ZeroMQ clients). This side reads
 versions MIN_PROTOCOL_VERSION to PROTOCOL_VERSION and refuses a message or field newer than the
 version it claims. It writes each message at the lowest version that carries it
 (`wire_version`), without the newer fields it leaves unset, so a side that speaks only version 1

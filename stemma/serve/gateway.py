@@ -49,6 +49,7 @@ from typing import Any, Callable
 import zmq
 
 from stemma import protocol as P
+from stemma.protocol.transport import ipv6_literal
 from stemma.serve.http.bridge import CLOSE, Bridge
 from stemma.gc_pauses import GC_PAUSES
 from stemma.log import check_level, configure as configure_logging
@@ -228,6 +229,8 @@ class Gateway:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, CLIENT_HWM)
         configure(router)
+        if ipv6_literal(self.spec.address):  # --host ::1
+            router.setsockopt(zmq.IPV6, 1)
         self.peers = PeerWatch(router)
         try:
             router.bind(self.spec.address)
@@ -398,6 +401,10 @@ class Gateway:
             return
         if peer in self.vanished:  # gone: dropped after this burst
             return
+        if isinstance(msg, P.ErrorMsg) and msg.param is not None:
+            # the field (version 5) is for the HTTP front, in this process: a ZeroMQ client of
+            # version 4 or older could not read an error that carried it
+            msg = dataclasses.replace(msg, param=None)
         try:
             self.router.send_multipart([peer, P.encode(msg)], zmq.NOBLOCK)
         except zmq.Again:  # CLIENT_HWM frames wait for it: it does not read

@@ -41,9 +41,7 @@ from stemma.protocol.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 
 def configure(sock: zmq.Socket) -> None:
-    """Sets ZeroMQ heartbeats, so that dead peers are disconnected (and reported) within seconds,
-    and IPv6 (an address such as tcp://[::1]:port; IPv4 ones still work)."""
-    sock.setsockopt(zmq.IPV6, 1)
+    """Sets ZeroMQ heartbeats, so that dead peers are disconnected (and reported) within seconds."""
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)

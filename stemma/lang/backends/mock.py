@@ -142,9 +142,9 @@ class MockBackend(Backend):
         logprobs = top = None
         if params.logprobs:
             logprobs = [mock_logprob(ids + out_ids[:i], t) for i, t in enumerate(out_ids)]
-            if params.top_logprobs:
-                top = [sorted(((c, mock_logprob(ids + out_ids[:i], c)) for c in range(t, t + params.top_logprobs)),
-                              key=lambda pair: -pair[1]) for i, t in enumerate(out_ids)]
+        if params.top_logprobs:  # as the engine: with or without logprobs
+            top = [sorted(((c, mock_logprob(ids + out_ids[:i], c)) for c in range(t, t + params.top_logprobs)),
+                          key=lambda pair: -pair[1]) for i, t in enumerate(out_ids)]
         return RequestOutput(
             rid=f"mock-{len(self.calls)}", text=text, token_ids=out_ids, finish_reason=reason,
             logprobs=logprobs, top_logprobs=top, prompt_logprobs=prompt_logprobs, meta=meta)

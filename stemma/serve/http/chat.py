@@ -134,7 +134,8 @@ def _start(state: HttpState, req: ChatCompletionRequest, ids: list[int], templat
         extra["json_schema"] = forced.schema
     params = params_of(req, G.max_tokens_for(state, prompts, requested, field_name), **extra)
     return G.start(state, prompts, params, req.stream, call=req.program_call,
-                   constraint=constraint_field(req) if forced is None else "tool_choice")
+                   constraint=constraint_field(req) if forced is None else "tool_choice",
+                   prompt_field="messages")
 
 
 def _logprobs(state: HttpState, ids: list[int], logprobs, tops) -> dict:

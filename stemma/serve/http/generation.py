@@ -45,6 +45,7 @@ class Run:
     early: list[P.Message] = field(default_factory=list)  # replies read before the stream began
     constraint: str | None = None   # the request field a failed constraint is reported under
     native: bool = False            # /generate: its fields are SamplingParams' own, under sampling_params
+    prompt_field: str = "prompt"    # the request's field of the prompt (chat: messages)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: secrets.token_hex(12))
 
@@ -68,7 +69,7 @@ def program_call(data: dict[str, Any] | None) -> ProgramCall | None:
 
 def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, stream: bool,
           program: str | None = None, call: dict[str, Any] | None = None, salt: str | None = None,
-          constraint: str | None = None, native: bool = False) -> Run:
+          constraint: str | None = None, native: bool = False, prompt_field: str = "prompt") -> Run:
     """Sends the run's requests. `constraint`: the field a constraint that fails to build is
     reported under, when not the one `params` names (a forced tool call's schema: tool_choice)."""
     checked = program_call(call)
@@ -78,7 +79,8 @@ def start(state: HttpState, prompts: list[Prompt], params: SamplingParams, strea
             raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]",
                             f"the prompt has {len(prompt.ids)} tokens; with max_tokens "
                             f"{params.max_new_tokens} it does not fit the context of {limit} tokens")
-    run = Run(state.open(), prompts, params, stream, constraint=constraint, native=native)
+    run = Run(state.open(), prompts, params, stream, constraint=constraint, native=native,
+              prompt_field=prompt_field)
     for i, prompt in enumerate(prompts):
         rid = state.new_rid()
         run.rids[rid] = i
@@ -114,8 +116,10 @@ def _http_field(run: Run, param: str | None) -> str | None:
     "prompt"): the OpenAI routes' name for it, or /generate's."""
     if param is None:
         return None
+    if param == "prompt":
+        return run.prompt_field
     if run.native:
-        return "text" if param == "prompt" else f"sampling_params.{param}"
+        return f"sampling_params.{param}"
     if param in ("regex", "json_schema", "grammar"):
         return run.constraint or ("response_format" if param == "json_schema" else param)
     return {"max_new_tokens": "max_tokens", "logprob_start": "echo"}.get(param, param)

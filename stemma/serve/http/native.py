@@ -36,7 +36,7 @@ async def generate(state: HttpState, req: GenerateRequest, request: Request):
     ids = (G.check_ids(state, req.input_ids, "input_ids") if req.input_ids is not None
            else await G.off_loop(G.tokenize, state, req.text, "text"))
     run = G.start(state, [G.Prompt(ids, req.text)], params, req.stream, req.program, req.program_call,
-                  salt=req.salt, native=True)
+                  salt=req.salt, native=True, prompt_field="text" if req.text is not None else "input_ids")
     rid = req.rid or next(iter(run.rids))
 
     def body(outs: list[P.Finished]):
