@@ -231,6 +231,12 @@ class SamplingParams:
         return self.regex is not None or self.json_schema is not None or self.grammar is not None
 
     @property
+    def constraint_field(self) -> str | None:
+        """The field that constrains the output (at most one does), or None."""
+        return "regex" if self.regex is not None else "json_schema" if self.json_schema is not None \
+            else "grammar" if self.grammar is not None else None
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)

@@ -517,7 +517,7 @@ class HttpClient:
         self.connect_timeout = check_connect_timeout(connect_timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http: httpx2.Client | None = None  # opened by the first call
-        self._http_known = False  # the address answered in HTTP (_known_http)
+        self._http_known = False  # check_protocol found no ZeroMQ port at the address
         self._async: dict[asyncio.AbstractEventLoop, _AsyncHttp] = {}
         self._streams: weakref.WeakValueDictionary[str, HttpStream | AsyncHttpStream] = \
             weakref.WeakValueDictionary()
@@ -541,14 +541,14 @@ class HttpClient:
         up to `wait_s` for a greeting. A program's backend calls it before its first request."""
         if speaks_zmtp(self.address, wait_s, ask_http):
             raise not_http(self.address)
+        self._http_known = True
 
     def _known_http(self, timeout: float | None) -> None:
         """Before the first call that may wait without a limit: a ZeroMQ port at the address
         would never answer it, and no timeout would end the wait (one short probe, once; an HTTP
         server answers it at once)."""
         if timeout is None and not self._http_known:
-            self.check_protocol(wait_s=max(self.connect_s(None) or 5.0, 0.2), ask_http=True)
-            self._http_known = True
+            self.check_protocol(wait_s=max(self.connect_timeout or 5.0, 0.2), ask_http=True)
 
     # ---- the transport ----
     def _client(self) -> httpx2.Client:

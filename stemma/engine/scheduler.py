@@ -112,8 +112,7 @@ class Scheduler:
         except ParamError:
             raise
         except ValueError as exc:  # one constraint per request: the error is that field's
-            field = "regex" if params.regex is not None else "json_schema" if params.json_schema is not None else "grammar"
-            raise ParamError(field, str(exc)) from None
+            raise ParamError(params.constraint_field, str(exc)) from None
 
     def add(self, req: Request, checked: ConstraintSpec | Future | None | object = UNCHECKED) -> None:
         """Queues req; a ValueError (too long, or a bad regex/json_schema/grammar) queues nothing.
@@ -145,7 +144,7 @@ class Scheduler:
                 if now - req.arrival <= self.config.constraint_timeout_s:
                     pending.append((req, future))
                     continue
-                req.error = (f"{constraint_field(req)}: compiling the constraint took longer than "
+                req.error = (f"{req.params.constraint_field}: compiling the constraint took longer than "
                              f"constraint_timeout_s ({self.config.constraint_timeout_s:g} s; the "
                              f"engine option --constraint-timeout-s)")
                 future.cancel()  # a build chained after its check does not start
@@ -680,9 +679,3 @@ class Scheduler:
                 "grammar_queue": len(self.grammar_queue), "preemptions": self.counters.preemptions,
                 "slo_give_way": self.counters.slo_give_way, "slo": self.slo.attainment.stats(),
                 "step_cost": self.cost.stats(), **self.programs.stats()}
-
-
-def constraint_field(req: Request) -> str:
-    """The SamplingParams field that constrains req."""
-    p = req.params
-    return "regex" if p.regex is not None else "json_schema" if p.json_schema is not None else "grammar"

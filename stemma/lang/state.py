@@ -155,6 +155,11 @@ class ProgramState(RoleMethods):
         """Whether a read takes what the state has now: its run was cancelled (read from outside)."""
         return self._cancelled and not in_body()
 
+    def _idle(self) -> None:
+        """Waits until what the state was given has been executed (not for a cancelled run)."""
+        if not self._so_far():
+            self._wait(self._ex.idle())
+
     async def _value(self, name: str, outside: bool) -> Value:
         try:
             return await self._ex.get(name)
@@ -223,14 +228,12 @@ class ProgramState(RoleMethods):
         return self._wait(self._ex.token_ids())
 
     def vars(self) -> dict[str, Value]:
-        if not self._so_far():
-            self._wait(self._ex.idle())
+        self._idle()
         return dict(self._ex.vars)
 
     def messages(self) -> list[dict[str, str]]:
         """The closed chat turns: [{'role': 'user', 'content': ...}, ...]."""
-        if not self._so_far():
-            self._wait(self._ex.idle())
+        self._idle()
         return [dict(m) for m in self._ex.messages]
 
     def meta(self, name: str) -> Meta:
@@ -241,14 +244,12 @@ class ProgramState(RoleMethods):
 
     def calls(self) -> list[CallRecord]:
         """Every request this state sent, with how many prompt tokens came from the cache."""
-        if not self._so_far():
-            self._wait(self._ex.idle())
+        self._idle()
         return list(self._ex.calls)
 
     def usage(self) -> Usage:
         """The calls of this state and of the states forked from it, added up."""
-        if not self._so_far():
-            self._wait(self._ex.idle())
+        self._idle()
         return _usage(self._ex)
 
     # ---- forks ----

@@ -108,7 +108,7 @@ def _raise_for(run: Run, msg: P.Message) -> None:
     if isinstance(msg, P.ErrorMsg):
         raise from_server(msg, _http_field(run, msg.param))
     if isinstance(msg, P.Finished) and msg.finish_reason == "error":
-        raise bad_field(_http_field(run, _constraint_field(run.params)), msg.meta.get("error", "the request failed"))
+        raise bad_field(_http_field(run, run.params.constraint_field), msg.meta.get("error", "the request failed"))
 
 
 def _http_field(run: Run, param: str | None) -> str | None:
@@ -123,12 +123,6 @@ def _http_field(run: Run, param: str | None) -> str | None:
     if param in ("regex", "json_schema", "grammar"):
         return run.constraint or ("response_format" if param == "json_schema" else param)
     return {"max_new_tokens": "max_tokens", "logprob_start": "echo"}.get(param, param)
-
-
-def _constraint_field(params: SamplingParams) -> str:
-    if params.regex is not None:
-        return "regex"
-    return "grammar" if params.grammar is not None else "json_schema"
 
 
 async def finished(run: Run) -> list[P.Finished]:
